@@ -1,0 +1,199 @@
+"""QMIX (Rashid et al., 2018): recurrent per-agent Q-networks mixed monotonically by a
+hypernetwork conditioned on the global state. Reads top to bottom:
+
+    config -> agent network -> mixer -> acting (epsilon-greedy, masked) -> loss -> update
+
+Agents share parameters and see their one-hot id. Targets are double-Q (online argmax,
+target evaluation) through a target mixer; the target networks are copied every
+`target_update_interval` updates. All of it is pure and jitted; the data comes from the
+replay ring as fixed-length windows.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import optax
+
+from marl import buffer
+from marl.envs import EnvSpec
+from marl.learner import Learner
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    hidden: int = 64  # agent GRU width
+    mixer_embed: int = 32
+    hypernet_embed: int = 64
+    lr: float = 5e-4
+    gamma: float = 0.99
+    max_grad_norm: float = 10.0
+    batch_size: int = 32  # windows per update
+    seq_len: int = 32  # window length (<= steps per region)
+    updates_per_iteration: int = 8
+    target_update_interval: int = 200  # in updates
+    eps_start: float = 1.0
+    eps_end: float = 0.05
+    eps_decay_steps: int = 100_000  # env steps over which epsilon decays linearly
+    learning_starts: int = 5_000  # env steps in the store before the first update
+
+
+# --------------------------------------------------------------------------- networks
+
+
+class AgentRNN(nn.Module):
+    """obs (+ agent id) -> Dense -> GRU -> Q per action. Memory is zeroed where `reset`."""
+
+    hidden: int
+    n_actions: int
+
+    @nn.compact
+    def __call__(self, carry, x, reset):
+        carry = jnp.where(reset[..., None], 0.0, carry)
+        h = nn.relu(nn.Dense(self.hidden)(x))
+        carry, h = nn.GRUCell(self.hidden)(carry, h)
+        return carry, nn.Dense(self.n_actions)(h)
+
+
+class Mixer(nn.Module):
+    """Q_tot = elu(q . |W1(s)| + b1(s)) . |W2(s)| + V(s); abs weights keep dQ_tot/dQ_i >= 0."""
+
+    embed: int
+    hypernet_embed: int
+
+    @nn.compact
+    def __call__(self, q, state):  # q [..., agent], state [..., state_dim]
+        n_agents = q.shape[-1]
+        hyper = lambda out: nn.Dense(out)(nn.relu(nn.Dense(self.hypernet_embed)(state)))
+        w1 = jnp.abs(hyper(n_agents * self.embed)).reshape(*q.shape, self.embed)
+        b1 = nn.Dense(self.embed)(state)
+        w2 = jnp.abs(hyper(self.embed))
+        v = nn.Dense(1)(nn.relu(nn.Dense(self.embed)(state)))[..., 0]
+        h = nn.elu(jnp.einsum("...a,...ae->...e", q, w1) + b1)
+        return jnp.sum(h * w2, axis=-1) + v
+
+
+def with_agent_ids(obs):
+    """Append each agent's one-hot id so one shared network can tell agents apart."""
+    n_agents = obs.shape[-2]
+    ids = jnp.broadcast_to(jnp.eye(n_agents, dtype=obs.dtype), (*obs.shape[:-2], n_agents, n_agents))
+    return jnp.concatenate([obs, ids], axis=-1)
+
+
+def make_learner(spec: EnvSpec, config: Config):
+    if not spec.discrete:
+        raise ValueError(f"QMIX needs discrete actions and {spec.env_id} has continuous ones; "
+                         "use a discrete env or an actor-critic preset")
+    agent = AgentRNN(config.hidden, spec.n_actions)
+    mixer = Mixer(config.mixer_embed, config.hypernet_embed)
+    optimizer = optax.chain(optax.clip_by_global_norm(config.max_grad_norm),
+                            optax.adam(config.lr))
+    n_agents = spec.n_agents
+
+    def init_carry(n_envs):
+        return jnp.zeros((n_envs, n_agents, config.hidden))
+
+    def init(key) -> dict:
+        k_agent, k_mixer, key = jax.random.split(key, 3)
+        obs = jnp.zeros((1, n_agents, spec.obs_dim + n_agents))
+        params = {
+            "agent": agent.init(k_agent, init_carry(1), obs, jnp.zeros((1, n_agents), bool)),
+            "mixer": mixer.init(k_mixer, jnp.zeros((1, n_agents)), jnp.zeros((1, spec.state_dim))),
+        }
+        return {"params": params, "target_params": params, "opt_state": optimizer.init(params),
+                "updates": jnp.array(0, jnp.int32), "key": key}
+
+    # ------------------------------------------------------------------------ acting
+
+    def act(params, carry, obs, avail, reset, key, explore):
+        """Epsilon-greedy over available actions; params are the agent network's."""
+        reset = jnp.broadcast_to(reset[:, None], obs.shape[:2])
+        carry, q = agent.apply(params, carry, with_agent_ids(obs), reset)
+        q = jnp.where(avail, q, -jnp.inf)
+        greedy = jnp.argmax(q, axis=-1)
+        k_rand, k_explore = jax.random.split(key)
+        random = jax.random.categorical(k_rand, jnp.where(avail, 0.0, -jnp.inf))
+        explore_mask = jax.random.uniform(k_explore, greedy.shape) < explore["epsilon"]
+        return jnp.where(explore_mask, random, greedy).astype(jnp.int32), carry
+
+    def policy_params(train_state):
+        return train_state["params"]["agent"]
+
+    def exploration(env_steps):
+        frac = jnp.clip(env_steps / config.eps_decay_steps, 0.0, 1.0)
+        return {"epsilon": jnp.float32(config.eps_start + frac * (config.eps_end - config.eps_start))}
+
+    greedy = {"epsilon": jnp.float32(0.0)}
+
+    # -------------------------------------------------------------------------- loss
+
+    def unroll(agent_params, obs, reset):
+        """Q-values over a window: obs [B, L, agent, obs], reset [B, L] -> [B, L, agent, act]."""
+        batch = obs.shape[0]
+        x = jnp.swapaxes(with_agent_ids(obs), 0, 1)  # time-major for scan
+        r = jnp.broadcast_to(jnp.swapaxes(reset, 0, 1)[..., None], x.shape[:3])
+
+        def step(carry, inputs):
+            return agent.apply(agent_params, carry, *inputs)
+
+        _, q = jax.lax.scan(step, init_carry(batch), (x, r))
+        return jnp.swapaxes(q, 0, 1)
+
+    def loss_fn(params, target_params, batch):
+        done = batch["done"]
+        # memory restarts after each episode end inside the window (and at its start)
+        reset = jnp.concatenate([jnp.ones_like(done[:, :1]), done[:, :-1]], axis=1)
+        q = unroll(params["agent"], batch["obs"], reset)
+        q_target = unroll(target_params["agent"], batch["obs"], reset)
+        avail = batch["avail_actions"]
+        chosen = jnp.take_along_axis(q, batch["action"][..., None], axis=-1)[..., 0]
+        # double Q: the online net picks the next action, the target net scores it
+        next_action = jnp.argmax(jnp.where(avail, q, -jnp.inf), axis=-1)[:, 1:]
+        next_q = jnp.take_along_axis(q_target[:, 1:], next_action[..., None], axis=-1)[..., 0]
+        q_tot = mixer.apply(params["mixer"], chosen[:, :-1], batch["state"][:, :-1])
+        next_q_tot = mixer.apply(target_params["mixer"], next_q, batch["state"][:, 1:])
+        reward = batch["reward"][:, :-1].mean(axis=-1)
+        target = reward + config.gamma * (1.0 - done[:, :-1]) * next_q_tot
+        td = q_tot - jax.lax.stop_gradient(target)
+        loss = jnp.mean(td**2)
+        return loss, {"loss": loss, "q_tot": q_tot.mean(), "td_abs": jnp.abs(td).mean()}
+
+    # ------------------------------------------------------------------------ update
+
+    def update(train_state, batch):
+        """One gradient step on a batch of windows, then the periodic target copy."""
+        grads, metrics = jax.grad(loss_fn, has_aux=True)(
+            train_state["params"], train_state["target_params"], batch)
+        updates, opt_state = optimizer.update(grads, train_state["opt_state"], train_state["params"])
+        params = optax.apply_updates(train_state["params"], updates)
+        n = train_state["updates"] + 1
+        copy = n % config.target_update_interval == 0
+        target_params = jax.tree.map(lambda p, t: jnp.where(copy, p, t), params,
+                                     train_state["target_params"])
+        metrics["grad_norm"] = optax.global_norm(grads)
+        return {**train_state, "params": params, "target_params": target_params,
+                "opt_state": opt_state, "updates": n}, metrics
+
+    def train(train_state, arrays, valid, n_updates: int):
+        """n_updates of (sample windows from the ring mirror, update), fused in one scan."""
+
+        def body(state, _):
+            key, sample_key = jax.random.split(state["key"])
+            batch = buffer.sample_windows(sample_key, arrays, valid, config.batch_size, config.seq_len)
+            batch = {**batch, "done": batch["done"].astype(jnp.float32)}
+            state, metrics = update({**state, "key": key}, batch)
+            return state, metrics
+
+        train_state, metrics = jax.lax.scan(body, train_state, None, n_updates)
+        return train_state, jax.tree.map(jnp.mean, metrics)
+
+    return Learner(
+        name="qmix", config=config, spec=spec, init=jax.jit(init), act=act,
+        init_carry=init_carry, policy_params=policy_params, exploration=exploration,
+        greedy=greedy, update=jax.jit(update),
+        train=jax.jit(train, static_argnums=3),
+        loss_fn=loss_fn, agent=agent, mixer=mixer)

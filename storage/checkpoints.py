@@ -1,0 +1,132 @@
+"""Learner checkpoints with orbax: one step directory per save, state + JSON metadata.
+
+orbax writes each checkpoint into a temporary directory and renames it into place when it
+is complete, so a crash mid-save leaves the previous checkpoint as the latest good one.
+orbax is imported lazily so that ``import storage`` stays light (it pulls in jax).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any, Mapping
+
+from .replay import StoreError
+
+
+def _walk(tree: Any, path: str = ""):
+    if isinstance(tree, Mapping):
+        for k, v in tree.items():
+            yield from _walk(v, f"{path}/{k}")
+    elif isinstance(tree, (list, tuple)):
+        for i, v in enumerate(tree):
+            yield from _walk(v, f"{path}/{i}")
+    else:
+        yield path or "/", tree
+
+
+class Checkpointer:
+    """Save and restore learner state (a pytree) plus JSON metadata under ``directory``."""
+
+    def __init__(self, directory, max_to_keep: int = 3):
+        import orbax.checkpoint as ocp
+
+        if isinstance(max_to_keep, bool) or not isinstance(max_to_keep, int) or max_to_keep < 1:
+            raise StoreError(f"max_to_keep must be a positive int, got {max_to_keep!r}")
+        self._ocp = ocp
+        self.directory = os.path.abspath(os.fspath(directory))
+        if os.path.exists(self.directory) and not os.path.isdir(self.directory):
+            raise StoreError(f"checkpoint directory {self.directory} is a file; pass a directory")
+        self._manager = ocp.CheckpointManager(
+            self.directory,
+            options=ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=True),
+            item_names=("state", "metadata"),
+        )
+
+    def save(
+        self, step: int, state: dict, metadata: dict | None = None, wait: bool = True
+    ) -> None:
+        """Save `state` (pytree of arrays / python scalars) and JSON `metadata` as `step`.
+
+        Saving the latest step again is a no-op (a retried task); an older step is an error.
+        """
+        ocp = self._ocp
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise StoreError(f"checkpoint step must be an int >= 0, got {step!r}")
+        metadata = {} if metadata is None else metadata
+        try:
+            json.dumps(metadata, allow_nan=False)
+        except (TypeError, ValueError) as e:
+            raise StoreError(
+                f"checkpoint metadata is not JSON-serialisable ({e}); pass plain str/int/float/list/dict"
+            ) from None
+        for where, leaf in _walk(state):
+            if str(getattr(leaf, "dtype", "")).startswith("key<"):
+                raise StoreError(
+                    f"state leaf {where} is a typed jax PRNG key; save jax.random.key_data(key) "
+                    f"(uint32) and rebuild it with jax.random.wrap_key_data"
+                )
+        self._manager.wait_until_finished()
+        latest = self._manager.latest_step()
+        if latest is not None and step <= latest:
+            if step == latest:
+                return
+            raise StoreError(
+                f"checkpoint step {step} is older than the latest step {latest} in "
+                f"{self.directory}; save with a step > {latest} or use a new directory"
+            )
+        self._manager.save(
+            step,
+            args=ocp.args.Composite(
+                state=ocp.args.StandardSave(state),
+                metadata=ocp.args.JsonSave(metadata),
+            ),
+            force=True,
+        )
+        if wait:
+            self._manager.wait_until_finished()
+
+    def wait(self) -> None:
+        self._manager.wait_until_finished()
+
+    def latest_step(self) -> int | None:
+        return self._manager.latest_step()
+
+    def all_steps(self) -> list[int]:
+        return sorted(self._manager.all_steps())
+
+    def restore(self, step: int | None = None, target: dict | None = None) -> tuple[dict, dict]:
+        """(state, metadata) of `step` (latest if None); `target` fixes structure and dtypes."""
+        ocp = self._ocp
+        self._manager.wait_until_finished()
+        steps = self.all_steps()
+        if step is None:
+            if not steps:
+                raise StoreError(
+                    f"no checkpoint in {self.directory}; train first or point at a run dir "
+                    f"that has checkpoints"
+                )
+            step = steps[-1]
+        elif step not in steps:
+            raise StoreError(
+                f"no checkpoint for step {step} in {self.directory} (have {steps or 'none'}); "
+                f"restore one of those steps"
+            )
+        restored = self._manager.restore(
+            step,
+            args=ocp.args.Composite(
+                state=ocp.args.StandardRestore(target),
+                metadata=ocp.args.JsonRestore(),
+            ),
+        )
+        return restored.state, dict(restored.metadata or {})
+
+    def close(self) -> None:
+        self._manager.wait_until_finished()
+        self._manager.close()
+
+    def __enter__(self) -> "Checkpointer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -1,0 +1,636 @@
+"""Zarr v3 replay store: a ring of chunk-aligned regions with a per-slot commit log.
+
+Layout of one store (a Zarr v3 group at ``path``)::
+
+    zarr.json                 group attributes: schema_version, env_id, env_spec, algorithm,
+                              seed, config, n_envs, steps_per_region, n_slots, fields
+    <field>/                  one array per field, shape (n_slots*T, n_envs, *field.shape),
+                              chunks (T, n_envs, *field.shape): one region == one chunk,
+                              dimension_names ("step", "env", *field.dims)
+    region/ iteration/ collector/ param_version/
+                              int64 (step,), chunk T, fill -1: who wrote each step
+    commit/                   int64 (slot,), chunk 1, fill -1: region id committed in each slot
+    commits/                  a Zarr sub-group holding one tiny marker file per committed
+                              region id (append-only history; never read-modify-write)
+
+Concurrency rules (see shared/notes/orchestration.md section 4): every writer touches only
+whole chunks of its own slot, array metadata is written once at create time and never
+again, nothing is consolidated, and the commit log is one chunk per slot plus one file per
+region, so many processes can commit different slots at once.
+
+Write protocol for region r in slot s = r % n_slots:
+  1. commit[s] = -1 (the slot is no longer readable),
+  2. write every field's chunk for slot s,
+  3. write the slot's coordinates (region, iteration, collector, param_version),
+  4. commit[s] = r, then the marker file commits/<r> (tmp file + os.replace).
+A reader trusts slot s for region r only if the slot's ``region`` coordinates all equal r
+*and then* commit[s] == r; reads of data re-check commit[s] afterwards.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import uuid
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+import numpy as np
+import zarr
+
+SCHEMA_VERSION = 1
+
+STEP_DIM = "step"
+ENV_DIM = "env"
+SLOT_DIM = "slot"
+COORDS = ("region", "iteration", "collector", "param_version")
+COMMIT = "commit"
+HISTORY = "commits"
+_RESERVED_NAMES = frozenset(COORDS) | {COMMIT, HISTORY}
+_RESERVED_DIMS = frozenset({STEP_DIM, ENV_DIM, SLOT_DIM})
+_STORE_KEYS = ("schema_version", "n_envs", "steps_per_region", "n_slots", "fields")
+
+
+class StoreError(ValueError):
+    """A replay store or checkpoint problem; the message names the problem and the fix."""
+
+
+@dataclass(frozen=True)
+class Field:
+    """One per-step variable: its trailing shape, dtype and dim names after (step, env)."""
+
+    shape: tuple[int, ...]
+    dtype: str
+    dims: tuple[str, ...]
+
+    def __post_init__(self) -> None:
+        try:
+            shape = tuple(int(n) for n in self.shape)
+        except (TypeError, ValueError):
+            raise StoreError(f"field shape {self.shape!r} is not a tuple of ints; pass e.g. shape=(3, 8)") from None
+        try:
+            dt = np.dtype(self.dtype)
+        except TypeError:
+            raise StoreError(f"field dtype {self.dtype!r} is not a numpy dtype; pass e.g. dtype='float32'") from None
+        if dt.kind not in "biuf":
+            raise StoreError(f"field dtype {dt.name!r} is not supported; use a bool, integer or float dtype")
+        if isinstance(self.dims, str):
+            raise StoreError(f"field dims {self.dims!r} must be a tuple of names, e.g. dims=('agent',)")
+        dims = tuple(str(d) for d in self.dims)
+        if len(dims) != len(shape):
+            raise StoreError(
+                f"field has shape {shape} but dims {dims}; give one dim name per trailing axis"
+            )
+        if any(n < 0 for n in shape):
+            raise StoreError(f"field shape {shape} has a negative size; use sizes >= 0")
+        object.__setattr__(self, "shape", shape)
+        object.__setattr__(self, "dtype", dt.name)
+        object.__setattr__(self, "dims", dims)
+
+    def to_json(self) -> dict:
+        return {"shape": list(self.shape), "dtype": self.dtype, "dims": list(self.dims)}
+
+    @classmethod
+    def from_json(cls, d: Mapping) -> "Field":
+        return cls(shape=tuple(d["shape"]), dtype=d["dtype"], dims=tuple(d["dims"]))
+
+    def describe(self) -> str:
+        return f"{self.dtype}{list(self.shape)}"
+
+
+def _as_field(name: str, f: Any) -> Field:
+    if isinstance(f, Field):
+        return f
+    if isinstance(f, Mapping):
+        try:
+            return Field(shape=tuple(f["shape"]), dtype=f["dtype"], dims=tuple(f.get("dims", ())))
+        except KeyError as e:
+            raise StoreError(f"field {name!r} is missing {e.args[0]!r}; pass a storage.replay.Field") from None
+    raise StoreError(f"field {name!r} is a {type(f).__name__}; pass a storage.replay.Field(shape, dtype, dims)")
+
+
+def _positive_int(value: Any, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or int(value) < 1:
+        raise StoreError(f"{name} must be a positive int, got {value!r}")
+    return int(value)
+
+
+def _index(value: Any, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or int(value) < 0:
+        raise StoreError(f"{name} must be an int >= 0, got {value!r}")
+    return int(value)
+
+
+def _check_json(attrs: Mapping, what: str) -> None:
+    if not isinstance(attrs, Mapping):
+        raise StoreError(f"{what} must be a dict, got {type(attrs).__name__}")
+    for key, value in attrs.items():
+        if not isinstance(key, str):
+            raise StoreError(f"{what} key {key!r} is not a string; use string keys")
+        try:
+            json.dumps(value, allow_nan=False)
+        except (TypeError, ValueError) as e:
+            raise StoreError(
+                f"{what}[{key!r}] is not JSON-serialisable ({e}); convert it to plain "
+                f"str/int/float/bool/list/dict first"
+            ) from None
+
+
+def _has_zarr_json(path: str) -> bool:
+    return os.path.isfile(os.path.join(path, "zarr.json"))
+
+
+def _fmt_regions(regions: list[int]) -> str:
+    if not regions:
+        return "none"
+    if len(regions) <= 6:
+        return ", ".join(map(str, regions))
+    return f"{regions[0]}..{regions[-1]} ({len(regions)} regions)"
+
+
+class ReplayStore:
+    """A bounded ring of chunk-aligned regions of (step, env, ...) data in one Zarr v3 group."""
+
+    def __init__(self, path: str, group: zarr.Group, mode: str) -> None:
+        # Use ReplayStore.create / open / open_or_create.
+        self.path = path
+        self.mode = mode
+        self._group = group
+        self.attrs: dict = dict(group.attrs)
+        try:
+            self.n_envs = int(self.attrs["n_envs"])
+            self.steps_per_region = int(self.attrs["steps_per_region"])
+            self.n_slots = int(self.attrs["n_slots"])
+            self.fields: dict[str, Field] = {
+                name: Field.from_json(f) for name, f in self.attrs["fields"].items()
+            }
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            raise StoreError(
+                f"replay store at {path} has broken attributes ({e!r}); it was not made by "
+                f"ReplayStore.create, use a new path"
+            ) from None
+        self._arrays: dict[str, zarr.Array] = {}
+        for name in (*self.fields, *COORDS, COMMIT):
+            try:
+                node = group[name]
+            except KeyError:
+                node = None
+            if not isinstance(node, zarr.Array):
+                raise StoreError(
+                    f"replay store at {path} is incomplete (no array {name!r}); it may be an "
+                    f"interrupted create, remove it or use a new path"
+                )
+            self._arrays[name] = node
+        self._history_dir = os.path.join(path, HISTORY)
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def create(
+        cls,
+        path,
+        *,
+        fields: dict[str, Field],
+        n_envs: int,
+        steps_per_region: int,
+        n_slots: int,
+        attrs: dict,
+    ) -> "ReplayStore":
+        path = os.fspath(path)
+        n_envs = _positive_int(n_envs, "n_envs")
+        T = _positive_int(steps_per_region, "steps_per_region")
+        n_slots = _positive_int(n_slots, "n_slots")
+        if not isinstance(fields, Mapping) or not fields:
+            raise StoreError("fields must be a non-empty dict of name -> Field")
+        fields = {str(k): _as_field(str(k), v) for k, v in fields.items()}
+        dim_sizes: dict[str, tuple[int, str]] = {}
+        for name, f in fields.items():
+            if not name or "/" in name or name.startswith((".", "_")) or name in _RESERVED_NAMES:
+                raise StoreError(
+                    f"field name {name!r} is not allowed (reserved: {sorted(_RESERVED_NAMES)}; "
+                    f"no '/', no leading '.' or '_'); rename the field"
+                )
+            for dim, size in zip(f.dims, f.shape):
+                if dim in _RESERVED_DIMS:
+                    raise StoreError(f"field {name!r} uses reserved dim name {dim!r}; rename that dim")
+                if dim in dim_sizes and dim_sizes[dim][0] != size:
+                    other_size, other = dim_sizes[dim]
+                    raise StoreError(
+                        f"dim {dim!r} has size {size} in field {name!r} but {other_size} in field "
+                        f"{other!r}; give different sizes different dim names"
+                    )
+                dim_sizes.setdefault(dim, (size, name))
+        _check_json(attrs, "attrs")
+        clash = sorted(set(attrs) & set(_STORE_KEYS))
+        if clash:
+            raise StoreError(f"attrs keys {clash} are reserved by the replay store; rename them")
+
+        if os.path.exists(path):
+            if not os.path.isdir(path):
+                raise StoreError(f"{path} is a file, not a directory; pass a new directory for the replay store")
+            if _has_zarr_json(path):
+                raise StoreError(
+                    f"a Zarr store already exists at {path}; use ReplayStore.open_or_create "
+                    f"to continue it or a new path"
+                )
+            if os.listdir(path):
+                raise StoreError(
+                    f"directory {path} is not empty and holds no replay store; pass an empty "
+                    f"or new directory (e.g. <run_dir>/replay)"
+                )
+
+        group = zarr.open_group(path, mode="w-", zarr_format=3)
+        for name, f in fields.items():
+            group.create_array(
+                name,
+                shape=(n_slots * T, n_envs, *f.shape),
+                chunks=(T, n_envs, *f.shape),
+                dtype=f.dtype,
+                fill_value=False if f.dtype == "bool" else 0,
+                dimension_names=(STEP_DIM, ENV_DIM, *f.dims),
+            )
+        for name in COORDS:
+            group.create_array(
+                name,
+                shape=(n_slots * T,),
+                chunks=(T,),
+                dtype="int64",
+                fill_value=-1,
+                dimension_names=(STEP_DIM,),
+            )
+        group.create_array(
+            COMMIT,
+            shape=(n_slots,),
+            chunks=(1,),
+            dtype="int64",
+            fill_value=-1,
+            dimension_names=(SLOT_DIM,),
+            attributes={"description": "region id committed in each ring slot; -1 = none"},
+        )
+        group.create_group(
+            HISTORY,
+            attributes={"description": "one marker file per committed region id (append-only)"},
+        )
+        # Attributes last: a create interrupted before this line leaves a group without
+        # schema_version, which open() rejects instead of trusting.
+        group.attrs.update(
+            {
+                **attrs,
+                "schema_version": SCHEMA_VERSION,
+                "n_envs": n_envs,
+                "steps_per_region": T,
+                "n_slots": n_slots,
+                "fields": {name: f.to_json() for name, f in fields.items()},
+            }
+        )
+        return cls(path, zarr.open_group(path, mode="r+", zarr_format=3), "r+")
+
+    @classmethod
+    def open(cls, path, mode: str = "r") -> "ReplayStore":
+        path = os.fspath(path)
+        if mode not in ("r", "r+"):
+            raise StoreError(f"mode must be 'r' or 'r+', got {mode!r}")
+        if not os.path.isdir(path):
+            raise StoreError(
+                f"no replay store at {path} (no such directory); check the path or make one "
+                f"with ReplayStore.create"
+            )
+        if not _has_zarr_json(path):
+            raise StoreError(
+                f"{path} is not a replay store (no zarr.json); check the path or make one with "
+                f"ReplayStore.create"
+            )
+        try:
+            group = zarr.open_group(path, mode=mode, zarr_format=3)
+        except Exception as e:  # zarr raises several kinds for "not a v3 group"
+            raise StoreError(
+                f"{path} is not a replay store ({type(e).__name__}: {e}); check the path or "
+                f"make one with ReplayStore.create"
+            ) from None
+        version = group.attrs.get("schema_version")
+        if version is None:
+            raise StoreError(
+                f"{path} is a Zarr group but not a replay store (no schema_version; maybe an "
+                f"interrupted create); remove it or use a new path"
+            )
+        if version != SCHEMA_VERSION:
+            raise StoreError(
+                f"replay store at {path} has schema_version {version}, this code reads "
+                f"{SCHEMA_VERSION}; use the matching code version or a new run dir"
+            )
+        return cls(path, group, mode)
+
+    @classmethod
+    def open_or_create(cls, path, **create_kwargs) -> "ReplayStore":
+        path = os.fspath(path)
+        if not _has_zarr_json(path):
+            return cls.create(path, **create_kwargs)
+        existing = cls.open(path, mode="r")
+        existing._check_matches(**create_kwargs)
+        return cls.open(path, mode="r+")
+
+    def _check_matches(
+        self,
+        *,
+        fields: dict[str, Field],
+        n_envs: int,
+        steps_per_region: int,
+        n_slots: int,
+        attrs: dict,
+    ) -> None:
+        want_fields = {str(k): _as_field(str(k), v) for k, v in fields.items()}
+        have_env, want_env = self.attrs.get("env_id"), (attrs or {}).get("env_id")
+        have = {"steps_per_region": self.steps_per_region, "n_slots": self.n_slots}
+        want = {"steps_per_region": int(steps_per_region), "n_slots": int(n_slots)}
+        diffs_have, diffs_want = [], []
+        for k in have:
+            if have[k] != want[k]:
+                diffs_have.append(f"{k}={have[k]}")
+                diffs_want.append(f"{k}={want[k]}")
+        if want_fields != self.fields:
+            names = sorted(set(want_fields) | set(self.fields))
+            bad = [n for n in names if want_fields.get(n) != self.fields.get(n)]
+            diffs_have.append(
+                "fields " + ", ".join(f"{n}:{self.fields[n].describe() if n in self.fields else '-'}" for n in bad)
+            )
+            diffs_want.append(
+                "fields " + ", ".join(f"{n}:{want_fields[n].describe() if n in want_fields else '-'}" for n in bad)
+            )
+        if have_env == want_env and self.n_envs == int(n_envs) and not diffs_have:
+            return
+
+        def desc(env, n, extra):
+            return f"{env} (n_envs={n}{''.join(', ' + d for d in extra)})"
+
+        raise StoreError(
+            f"replay store at {self.path} was made for env {desc(have_env, self.n_envs, diffs_have)}, "
+            f"not {desc(want_env, int(n_envs), diffs_want)}; use a new --run-dir or the original settings"
+        )
+
+    # ------------------------------------------------------------------ properties
+    @property
+    def capacity(self) -> int:
+        return self.n_slots * self.steps_per_region
+
+    def slot_of(self, region_id: int) -> int:
+        return _index(region_id, "region_id") % self.n_slots
+
+    def _steps(self, slot: int) -> slice:
+        T = self.steps_per_region
+        return slice(slot * T, (slot + 1) * T)
+
+    def __repr__(self) -> str:
+        return (
+            f"ReplayStore({self.path!r}, mode={self.mode!r}, env_id={self.attrs.get('env_id')!r}, "
+            f"n_envs={self.n_envs}, steps_per_region={self.steps_per_region}, n_slots={self.n_slots})"
+        )
+
+    # ------------------------------------------------------------------ writing
+    def _validate(self, region_id: int, data: Mapping) -> dict[str, np.ndarray]:
+        if not isinstance(data, Mapping):
+            raise StoreError(f"region {region_id}: data must be a dict of field name -> array")
+        missing = [n for n in self.fields if n not in data]
+        extra = sorted(str(n) for n in data if n not in self.fields)
+        if missing or extra:
+            parts = []
+            if missing:
+                parts.append(f"missing field(s) {missing}")
+            if extra:
+                parts.append(f"unknown field(s) {extra}")
+            raise StoreError(
+                f"region {region_id}: data has {' and '.join(parts)}; pass exactly the store's "
+                f"fields {list(self.fields)}"
+            )
+        out = {}
+        for name, f in self.fields.items():
+            arr = np.asarray(data[name])
+            expect = (self.steps_per_region, self.n_envs, *f.shape)
+            if arr.shape != expect:
+                raise StoreError(
+                    f"region {region_id}: field {name!r} has shape {arr.shape}, expected {expect} "
+                    f"(steps_per_region, n_envs, *{f.dims}); fix the collector's output shape"
+                )
+            if not np.can_cast(arr.dtype, f.dtype, casting="same_kind"):
+                raise StoreError(
+                    f"region {region_id}: field {name!r} has dtype {arr.dtype}, the store holds "
+                    f"{f.dtype}; cast it before writing"
+                )
+            out[name] = np.ascontiguousarray(arr, dtype=f.dtype)
+        return out
+
+    def _require_writable(self) -> None:
+        if self.mode != "r+":
+            raise StoreError(
+                f"replay store at {self.path} is open read-only; open it with mode='r+' to write"
+            )
+
+    def _mark_uncommitted(self, slot: int) -> None:
+        self._arrays[COMMIT][slot] = -1
+
+    def _write_fields(self, slot: int, arrays: dict[str, np.ndarray]) -> None:
+        steps = self._steps(slot)
+        for name, arr in arrays.items():
+            self._arrays[name][steps] = arr  # one whole chunk
+
+    def _write_coords(self, slot: int, values: dict[str, int]) -> None:
+        steps = self._steps(slot)
+        for name in COORDS:
+            self._arrays[name][steps] = np.full(self.steps_per_region, values[name], dtype=np.int64)
+
+    def _commit(self, slot: int, region_id: int, values: dict[str, int]) -> None:
+        self._arrays[COMMIT][slot] = region_id  # one chunk per slot, written atomically by zarr
+        os.makedirs(self._history_dir, exist_ok=True)
+        final = os.path.join(self._history_dir, str(region_id))
+        tmp = os.path.join(self._history_dir, f".{region_id}.{uuid.uuid4().hex}.tmp")
+        with open(tmp, "w") as fh:
+            json.dump({**values, "slot": slot}, fh)
+        os.replace(tmp, final)
+
+    def write_region(
+        self,
+        region_id: int,
+        data: dict[str, np.ndarray],
+        *,
+        iteration: int,
+        collector: int,
+        param_version: int,
+    ) -> int:
+        """Write one region (T steps of all envs) into its ring slot and commit it; returns the slot.
+
+        Idempotent: a retry with the same region_id rewrites the same chunks and commits once.
+        """
+        self._require_writable()
+        region_id = _index(region_id, "region_id")
+        values = {
+            "region": region_id,
+            "iteration": _index(iteration, "iteration"),
+            "collector": _index(collector, "collector"),
+            "param_version": _index(param_version, "param_version"),
+        }
+        arrays = self._validate(region_id, data)
+        slot = self.slot_of(region_id)
+        held = max(int(self._arrays[COMMIT][slot]), int(self._arrays["region"][slot * self.steps_per_region]))
+        if held > region_id:
+            raise StoreError(
+                f"region {region_id} maps to slot {slot}, which already holds newer region {held}; "
+                f"a stale task must not overwrite it (raise n_slots or keep fewer regions in flight)"
+            )
+        self._mark_uncommitted(slot)
+        self._write_fields(slot, arrays)
+        self._write_coords(slot, values)
+        self._commit(slot, region_id, values)
+        return slot
+
+    # ------------------------------------------------------------------ reading
+    def _slot_holds(self, slot: int, region_id: int) -> bool:
+        # Coordinates first, then the commit: commit[slot] is reset before any data changes,
+        # so seeing it == region_id after the coordinates means the slot was complete then.
+        coords = self._arrays["region"][self._steps(slot)]
+        if not bool(np.all(coords == region_id)):
+            return False
+        return int(self._arrays[COMMIT][slot]) == region_id
+
+    def committed(self) -> list[tuple[int, int]]:
+        """Sorted [(region_id, slot)] of regions that are readable now."""
+        coords = self._arrays["region"][:].reshape(self.n_slots, self.steps_per_region)
+        commit = self._arrays[COMMIT][:]
+        out = []
+        for slot in range(self.n_slots):
+            r = int(commit[slot])
+            if r >= 0 and r % self.n_slots == slot and bool(np.all(coords[slot] == r)):
+                out.append((r, slot))
+        out.sort()
+        return out
+
+    def committed_steps(self) -> int:
+        return len(self.committed()) * self.steps_per_region
+
+    def total_regions_committed(self) -> int:
+        """Regions ever committed (including those since overwritten by the ring)."""
+        try:
+            names = os.listdir(self._history_dir)
+        except FileNotFoundError:
+            return 0
+        return sum(1 for n in names if n.isdigit())
+
+    def read_region(self, region_id: int) -> dict[str, np.ndarray]:
+        region_id = _index(region_id, "region_id")
+        slot = self.slot_of(region_id)
+        if not self._slot_holds(slot, region_id):
+            have = [r for r, _ in self.committed()]
+            raise StoreError(
+                f"region {region_id} is not committed in replay store at {self.path} "
+                f"(committed: {_fmt_regions(have)}); read one of committed()"
+            )
+        steps = self._steps(slot)
+        out = {name: self._arrays[name][steps] for name in self.fields}
+        if int(self._arrays[COMMIT][slot]) != region_id:
+            raise StoreError(
+                f"region {region_id} was overwritten while it was being read from {self.path}; "
+                f"read a newer region from committed()"
+            )
+        return out
+
+    def _require_committed(self) -> list[tuple[int, int]]:
+        com = self.committed()
+        if not com:
+            raise StoreError(
+                f"replay store at {self.path} has no committed regions yet; wait for collectors "
+                f"to write at least one region"
+            )
+        return com
+
+    def sample_sequences(
+        self, rng: np.random.Generator, batch: int, length: int
+    ) -> dict[str, np.ndarray]:
+        """Uniform fixed-length windows, each inside one committed region: {field: [batch, length, ...]}."""
+        batch = _positive_int(batch, "batch")
+        length = _positive_int(length, "length")
+        T = self.steps_per_region
+        if length > T:
+            raise StoreError(
+                f"sequence length {length} exceeds steps_per_region {T}; sample length <= {T}"
+            )
+        for _attempt in range(8):
+            com = self._require_committed()
+            which = rng.integers(len(com), size=batch)
+            env = rng.integers(self.n_envs, size=batch)
+            start = rng.integers(T - length + 1, size=batch)
+            out = {
+                name: np.empty((batch, length, *f.shape), dtype=f.dtype) for name, f in self.fields.items()
+            }
+            try:
+                for k in np.unique(which):
+                    sel = np.flatnonzero(which == k)
+                    data = self.read_region(com[k][0])
+                    steps = start[sel, None] + np.arange(length)[None, :]  # [n, length]
+                    envs = env[sel, None]
+                    for name in self.fields:
+                        out[name][sel] = data[name][steps, envs]
+            except StoreError:
+                continue  # a sampled region was overwritten meanwhile: draw again
+            return out
+        raise StoreError(
+            f"replay store at {self.path} kept overwriting sampled regions; use more n_slots "
+            f"than regions written per sampling call"
+        )
+
+    def sample_episodes(self, rng: np.random.Generator, batch: int) -> list[dict[str, np.ndarray]]:
+        """Up to `batch` whole episodes inside committed regions, split at the bool field "done".
+
+        An episode is the steps after a done (or the region start) up to and including the
+        next done; the tail after a region's last done is incomplete and is not returned.
+        Regions are visited in random order until at least `batch` episodes are found, then
+        `batch` of those are drawn without replacement.
+        """
+        batch = _positive_int(batch, "batch")
+        f = self.fields.get("done")
+        if f is None or f.dtype != "bool" or f.shape != ():
+            raise StoreError(
+                f"sample_episodes needs a bool field 'done' of shape (); the store at {self.path} "
+                f"has {list(self.fields)}; add one or use sample_sequences"
+            )
+        com = self._require_committed()
+        pool: list[tuple[dict, int, int, int]] = []
+        for k in rng.permutation(len(com)):
+            try:
+                data = self.read_region(com[k][0])
+            except StoreError:
+                continue  # overwritten since committed(): skip it
+            done = data["done"]
+            for e in range(self.n_envs):
+                begin = 0
+                for end in np.flatnonzero(done[:, e]):
+                    pool.append((data, e, begin, int(end) + 1))
+                    begin = int(end) + 1
+            if len(pool) >= batch:
+                break
+        pick = rng.permutation(len(pool))[:batch]
+        return [
+            {name: np.array(d[name][b:e, env]) for name in self.fields}
+            for d, env, b, e in (pool[i] for i in pick)
+        ]
+
+
+def open_replay(path):
+    """A lazy (dask-backed) xarray.Dataset of the committed steps, ordered by region id.
+
+    Data variables carry the named dims (step, env, agent, ...); region, iteration, collector
+    and param_version are coordinates along step. Later ring overwrites are not reflected in
+    (and may race with) a dataset opened earlier: reopen for a fresh view.
+    """
+    store = ReplayStore.open(path, mode="r")
+    import xarray as xr
+
+    com = store.committed()
+    T = store.steps_per_region
+    if com:
+        idx = np.concatenate([np.arange(s * T, (s + 1) * T) for _, s in com])
+    else:
+        idx = np.zeros(0, dtype=np.int64)
+    ds = xr.open_zarr(
+        store.path, consolidated=False, zarr_format=3, use_zarr_fill_value_as_mask=False
+    )
+    ds = ds.drop_vars([COMMIT]).set_coords(list(COORDS)).isel({STEP_DIM: idx})
+    for name in COORDS:  # small: load so they describe exactly the snapshot taken above
+        ds[name] = ds[name].load()
+    return ds
