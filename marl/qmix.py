@@ -34,7 +34,7 @@ class Config:
     max_grad_norm: float = 10.0
     batch_size: int = 32  # windows per update
     seq_len: int = 32  # window length (<= steps per region)
-    updates_per_iteration: int = 8
+    updates_per_region: int = 8  # gradient updates per newly collected region
     target_update_interval: int = 200  # in updates
     eps_start: float = 1.0
     eps_end: float = 0.05

@@ -1,0 +1,104 @@
+"""The Dask cluster the stages run on.
+
+- `LocalCluster` by default, every listener on 127.0.0.1, dashboard on;
+- `dask_cuda.LocalCUDACluster` where GPUs are visible and dask-cuda is installed;
+- or any running scheduler, by address.
+
+Workers carry resources so stages land where they belong: GPU workers offer `gpu`, CPU
+workers offer `cpu`. JAX collectors and the learner ask for `gpu` where any GPU worker
+exists; PettingZoo collectors always ask for `cpu`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import tempfile
+
+import dask
+from distributed import Client, LocalCluster
+
+HOST = "127.0.0.1"
+
+
+def gpu_count() -> int:
+    """GPUs visible to this process (0 without NVML, or with CUDA_VISIBLE_DEVICES empty/-1)."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None and visible.strip() in {"", "-1"}:
+        return 0
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        count = pynvml.nvmlDeviceGetCount()
+    except Exception:  # no NVML library, no driver: no GPU
+        return 0
+    if visible:
+        count = min(count, len([v for v in visible.split(",") if v.strip()]))
+    return int(count)
+
+
+def worker_environment() -> dict[str, str]:
+    """Set in every worker before it starts: a shared JAX compile cache (a worker's first
+    jit drops from ~12 s to ~1 s when the function was compiled before), quiet Prefect."""
+    cache = os.environ.get("JAX_COMPILATION_CACHE_DIR") or os.path.join(
+        tempfile.gettempdir(), "marl-jax-cache")
+    return {
+        "JAX_COMPILATION_CACHE_DIR": cache,
+        "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+        "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0",
+        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+    }
+
+
+def make_cluster(n_workers: int = 2, kind: str = "auto", dashboard_address: str = f"{HOST}:8787",
+                 threads_per_worker: int = 1, memory_limit: str | None = None):
+    """A local cluster of the requested kind: "auto" (CUDA where GPUs are visible), "cpu", "gpu"."""
+    if kind not in {"auto", "cpu", "gpu"}:
+        raise ValueError(f"unknown cluster kind {kind!r}; use auto, cpu or gpu")
+    env = worker_environment()
+    # the nanny applies these before spawning, so they reach workers even when the
+    # parent process imported jax first (LocalCluster(env=...) comes too late for that)
+    with dask.config.set({"distributed.nanny.pre-spawn-environ": {
+            **dask.config.get("distributed.nanny.pre-spawn-environ", {}), **env}}):
+        gpus = gpu_count() if kind != "cpu" else 0
+        if kind == "gpu" and gpus == 0:
+            raise RuntimeError("cluster kind 'gpu' asked for but no GPU is visible; use kind='auto' or 'cpu'")
+        if gpus:
+            try:
+                from dask_cuda import LocalCUDACluster
+            except ImportError:
+                if kind == "gpu":
+                    raise RuntimeError("GPUs are visible but dask-cuda is missing; "
+                                       "pip install 'marl-dataflow[cuda]'") from None
+            else:
+                return LocalCUDACluster(host=HOST, dashboard_address=dashboard_address,
+                                        threads_per_worker=threads_per_worker,
+                                        resources={"gpu": 1}, memory_limit=memory_limit)
+        return LocalCluster(n_workers=n_workers, threads_per_worker=threads_per_worker,
+                            host=HOST, dashboard_address=dashboard_address, processes=True,
+                            resources={"cpu": 1}, memory_limit=memory_limit or "auto")
+
+
+@contextlib.contextmanager
+def connect(address: str | None = None, **cluster_kwargs):
+    """Yields a Client: to the scheduler at `address`, or to a new local cluster closed after."""
+    if address:
+        with Client(address) as client:
+            yield client
+        return
+    with make_cluster(**cluster_kwargs) as cluster, Client(cluster) as client:
+        yield client
+
+
+def placement(client: Client) -> dict:
+    """Which workers run what: the learner on one worker, collectors spread over the rest.
+
+    Returns {"learner": addr, "collectors": [addr, ...], "gpu": bool}.
+    """
+    info = client.scheduler_info()["workers"]
+    if not info:
+        raise RuntimeError("the Dask cluster has no workers; start some or use a local cluster")
+    gpu_workers = sorted(a for a, w in info.items() if w.get("resources", {}).get("gpu"))
+    workers = gpu_workers or sorted(info)
+    return {"learner": workers[0], "collectors": workers, "gpu": bool(gpu_workers)}

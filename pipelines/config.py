@@ -1,0 +1,136 @@
+"""Run configuration and presets: what a run is, as plain JSON-able data.
+
+A preset names an algorithm, an env and the run's shape (envs per collector, steps per
+region, ring size, evaluation) plus algorithm settings; `--set key=value` overrides either
+kind of setting: run settings by their field name, algorithm settings by theirs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+
+from marl import algos
+from marl.algos import ConfigError
+
+
+@dataclasses.dataclass(frozen=True)
+class RunConfig:
+    preset: str
+    algo: str
+    env_id: str
+    env_kwargs: dict = dataclasses.field(default_factory=dict)
+    total_env_steps: int = 1_000_000
+    n_collectors: int = 1
+    envs_per_collector: int = 32  # N, one env chunk per collector region
+    steps_per_region: int = 32  # T, the step chunk; one collect call fills one region
+    buffer_steps: int = 65_536  # ring capacity along the step axis (rounded to regions)
+    eval_every: int = 20  # iterations between greedy evaluations (and at the end)
+    eval_episodes: int = 128
+    checkpoint_every: int = 20  # iterations between checkpoints (and at the end)
+    seed: int = 0
+    # fault injection, to exercise retries: collect tasks of these region ids ("3,5") raise
+    # once, right after their region is committed
+    fail_regions_once: str = ""
+    run_dir: str = "runs/qmix-smac"
+    algo_overrides: dict = dataclasses.field(default_factory=dict)
+
+    @property
+    def steps_per_iteration(self) -> int:
+        return self.n_collectors * self.envs_per_collector * self.steps_per_region
+
+    @property
+    def n_iterations(self) -> int:
+        return max(1, -(-self.total_env_steps // self.steps_per_iteration))
+
+    @property
+    def n_slots(self) -> int:
+        # at least one region per collector of the iteration, so a collect never overwrites
+        # a region that its own iteration wrote
+        return max(self.n_collectors, self.buffer_steps // self.steps_per_region)
+
+    @property
+    def store_path(self) -> str:
+        return os.path.join(self.run_dir, "replay")
+
+    @property
+    def checkpoint_dir(self) -> str:
+        return os.path.abspath(os.path.join(self.run_dir, "checkpoints"))
+
+    def algo_config(self):
+        return algos.config_for(self.algo, self.algo_overrides)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), sort_keys=True)
+
+
+PRESETS: dict[str, dict] = {
+    "qmix-smac": dict(
+        algo="qmix", env_id="smax:3m", total_env_steps=2_000_000, n_collectors=1,
+        envs_per_collector=32, steps_per_region=32, buffer_steps=65_536,
+        eval_every=25, checkpoint_every=25,
+        algo_overrides={},
+    ),
+    # a few thousand steps end to end, for tests and smoke runs
+    "qmix-smac-tiny": dict(
+        algo="qmix", env_id="smax:3m", total_env_steps=4_096, n_collectors=2,
+        envs_per_collector=8, steps_per_region=16, buffer_steps=2_048,
+        eval_every=2, eval_episodes=16, checkpoint_every=2,
+        algo_overrides=dict(hidden=16, mixer_embed=8, hypernet_embed=16, batch_size=8,
+                            seq_len=8, updates_per_region=2, learning_starts=256,
+                            eps_decay_steps=2_000),
+    ),
+}
+
+
+def make_run_config(preset: str, *, env_id: str | None = None, total_env_steps: int | None = None,
+                    n_collectors: int | None = None, seed: int | None = None,
+                    run_dir: str | None = None, overrides: dict | None = None) -> RunConfig:
+    """Preset + explicit arguments + `key=value` overrides -> a checked RunConfig."""
+    if preset not in PRESETS:
+        raise ConfigError(f"unknown preset {preset!r}; valid: {', '.join(sorted(PRESETS))}")
+    base = dict(PRESETS[preset])
+    run_fields = {f.name for f in dataclasses.fields(RunConfig)} - {"preset", "algo_overrides"}
+    algo_overrides = dict(base.pop("algo_overrides", {}))
+    run_values = dict(base)
+    algo_fields = {f.name for f in dataclasses.fields(algos.module_for(base["algo"]).Config)}
+    for key, value in (overrides or {}).items():
+        if key in algo_fields:
+            algo_overrides[key] = value
+        elif key in run_fields:
+            run_values[key] = value
+        else:
+            raise ConfigError(f"unknown setting {key!r} for preset {preset}; valid: "
+                              f"{', '.join(sorted(run_fields | algo_fields))}")
+    explicit = dict(env_id=env_id, total_env_steps=total_env_steps, n_collectors=n_collectors,
+                    seed=seed, run_dir=run_dir)
+    run_values.update({k: v for k, v in explicit.items() if v is not None})
+    run_values.setdefault("run_dir", os.path.join("runs", preset))
+    hints = {f.name: f.type for f in dataclasses.fields(RunConfig)}
+    for key, value in list(run_values.items()):
+        kind = {"int": int, "str": str, "dict": dict}.get(hints[key], str)
+        if kind is dict:
+            if isinstance(value, str):
+                try:
+                    value = json.loads(value)
+                except json.JSONDecodeError:
+                    raise ConfigError(f"setting {key}={value!r} is not JSON; write e.g. "
+                                      f"--set {key}='{{\"max_steps\": 50}}'") from None
+            run_values[key] = value
+        else:
+            run_values[key] = algos.coerce(value, kind, key)
+    config = RunConfig(preset=preset, algo_overrides=algo_overrides, **run_values)
+    for key in ("total_env_steps", "n_collectors", "envs_per_collector", "steps_per_region",
+                "buffer_steps", "eval_every", "eval_episodes", "checkpoint_every"):
+        if getattr(config, key) < 1:
+            raise ConfigError(f"setting {key}={getattr(config, key)} must be >= 1")
+    algo_config = config.algo_config()  # checks the algorithm overrides
+    seq_len = getattr(algo_config, "seq_len", None)
+    if seq_len is not None and seq_len > config.steps_per_region:
+        raise ConfigError(f"seq_len={seq_len} exceeds steps_per_region={config.steps_per_region}; "
+                          "windows lie inside one region, so raise steps_per_region or lower seq_len")
+    return config

@@ -1,0 +1,250 @@
+"""The stages: collect, train, evaluate. Plain functions of JSON-able arguments.
+
+A test calls them directly; the flow submits the very same functions to Dask workers.
+Each worker keeps what is expensive to rebuild between calls, in this module's caches:
+a collector its compiled rollout and its envs' state (episodes continue across regions),
+the learner its train state and a device mirror of the replay ring. The caches are only
+an optimisation: the replay store and the checkpoints on disk are the truth, so a stage
+that lands on a fresh worker (a retry, a restart, a resumed run) rebuilds from them.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from marl import algos, buffer, envs, rollout
+from pipelines.config import RunConfig
+from storage import Checkpointer, Field, ReplayStore, StoreError
+
+_CACHE: dict = {}
+_LOCK = threading.Lock()
+
+
+def as_config(config) -> RunConfig:
+    if isinstance(config, RunConfig):
+        return config
+    return RunConfig(**config)
+
+
+# ------------------------------------------------------------------------ the store
+
+
+def replay_fields(spec: envs.EnvSpec) -> dict[str, Field]:
+    """The replay schema of DESIGN.md for one env spec."""
+    a, agent = spec.n_agents, ("agent",)
+    action = (Field((a,), "int32", agent) if spec.discrete
+              else Field((a, spec.action_dim), "float32", ("agent", "act_dim")))
+    return {
+        "obs": Field((a, spec.obs_dim), "float32", ("agent", "obs_dim")),
+        "state": Field((spec.state_dim,), "float32", ("state_dim",)),
+        "action": action,
+        "reward": Field((a,), "float32", agent),
+        "done": Field((), "bool", ()),
+        "avail_actions": Field((a, spec.mask_width), "bool", ("agent", "n_actions")),
+    }
+
+
+def open_store(config: RunConfig, spec: envs.EnvSpec, create: bool = False) -> ReplayStore:
+    if not create:
+        return ReplayStore.open(config.store_path, mode="r+")
+    attrs = {"env_id": config.env_id, "env_spec": spec.to_dict(), "algorithm": config.algo,
+             "seed": config.seed, "config": config.to_dict(), "preset": config.preset}
+    os.makedirs(config.run_dir, exist_ok=True)
+    return ReplayStore.open_or_create(
+        config.store_path, fields=replay_fields(spec), n_envs=config.envs_per_collector,
+        steps_per_region=config.steps_per_region, n_slots=config.n_slots, attrs=attrs)
+
+
+def prepare_run(config) -> dict:
+    """Checks the env and algorithm, makes (or reopens) the store, and says where to resume.
+
+    Returns {"iteration", "env_steps", "param_version"} of the latest checkpoint, or zeros.
+    Everything is checked before anything is written, so bad input leaves a store as it was.
+    """
+    config = as_config(config)
+    env = envs.make(config.env_id, **config.env_kwargs)
+    if env.spec.backend != "jax":
+        raise ValueError(f"{config.env_id} steps in numpy and {config.algo} collects with jitted "
+                         "JAX rollouts; use an smax: or mpe: env for this preset")
+    algos.make_learner(config.algo, env.spec, config.algo_config())
+    open_store(config, env.spec, create=True)
+    checkpoints = Checkpointer(config.checkpoint_dir)
+    try:
+        if checkpoints.latest_step() is None:
+            return {"iteration": 0, "env_steps": 0, "param_version": 0}
+        _, meta = checkpoints.restore()
+        return {k: int(meta[k]) for k in ("iteration", "env_steps", "param_version")}
+    finally:
+        checkpoints.close()
+
+
+def _context(kind: str, config: RunConfig, *extra):
+    """The per-worker cache entry for this run (rebuilt when the config changes)."""
+    key = (kind, os.path.abspath(config.run_dir), *extra)
+    with _LOCK:
+        ctx = _CACHE.get(key)
+        if ctx is None or ctx["config_json"] != config.to_json():
+            env = envs.make(config.env_id, **config.env_kwargs)
+            learner = algos.make_learner(config.algo, env.spec, config.algo_config())
+            ctx = {"config_json": config.to_json(), "env": env, "learner": learner}
+            _CACHE[key] = ctx
+        return ctx
+
+
+def clear_caches():
+    with _LOCK:
+        _CACHE.clear()
+
+
+def _to_numpy(tree):
+    return jax.tree.map(np.asarray, tree)
+
+
+def _scalars(tree) -> dict:
+    return {k: float(v) for k, v in tree.items()}
+
+
+# ----------------------------------------------------------------------- collect
+
+
+def collect(config, collector: int, iteration: int, params, param_version: int,
+            env_steps: int) -> dict:
+    """One region: T steps of N envs with the given policy params, written to the store.
+
+    The region id is a function of (iteration, collector), so a retried task rewrites
+    exactly its own region. The envs' state advances only once the region is committed.
+    """
+    config = as_config(config)
+    ctx = _context("collect", config, collector)
+    env, learner = ctx["env"], ctx["learner"]
+    if "collect" not in ctx:
+        ctx["init"], ctx["collect"] = rollout.make_collector(
+            env, learner.act, learner.init_carry, config.envs_per_collector, config.steps_per_region)
+    if "rollout_state" not in ctx:
+        key = jax.random.fold_in(jax.random.fold_in(jax.random.PRNGKey(config.seed), collector), iteration)
+        ctx["rollout_state"] = ctx["init"](key)
+    if "store" not in ctx:
+        ctx["store"] = open_store(config, env.spec)
+    region_id = iteration * config.n_collectors + collector
+    started = time.perf_counter()
+    rstate, data, stats = ctx["collect"](params, ctx["rollout_state"],
+                                         learner.exploration(jnp.float32(env_steps)))
+    data = _to_numpy(data)
+    rollout_s = time.perf_counter() - started
+    ctx["store"].write_region(region_id, data, iteration=iteration, collector=collector,
+                              param_version=param_version)
+    _maybe_fail(config, region_id)
+    ctx["rollout_state"] = rstate
+    return {**_scalars(stats), "region": region_id, "collector": collector,
+            "steps": config.envs_per_collector * config.steps_per_region,
+            "rollout_s": rollout_s, "collect_s": time.perf_counter() - started}
+
+
+def _maybe_fail(config: RunConfig, region_id: int):
+    wanted = {int(r) for r in config.fail_regions_once.split(",") if r.strip()}
+    if region_id not in wanted:
+        return
+    marker = os.path.join(config.run_dir, "faults", f"region-{region_id}")
+    if os.path.exists(marker):
+        return
+    os.makedirs(os.path.dirname(marker), exist_ok=True)
+    open(marker, "w").close()
+    raise RuntimeError(f"injected fault after committing region {region_id} (fail_regions_once)")
+
+
+# ------------------------------------------------------------------------- train
+
+
+def _learner_state(config: RunConfig, ctx: dict) -> dict:
+    """The cached learner, or one rebuilt from the latest checkpoint, or a fresh one."""
+    if "train_state" in ctx:
+        return ctx
+    learner, spec = ctx["learner"], ctx["env"].spec
+    fresh = learner.init(jax.random.PRNGKey(config.seed))
+    checkpoints = Checkpointer(config.checkpoint_dir)
+    ctx["checkpoints"] = checkpoints
+    ctx["meta"] = {"iteration": 0, "env_steps": 0, "param_version": 0}
+    if checkpoints.latest_step() is not None:
+        target = jax.tree.map(np.asarray, fresh)
+        state, meta = checkpoints.restore(target=target)
+        fresh = jax.tree.map(jnp.asarray, state)
+        ctx["meta"] = meta
+    ctx["train_state"] = fresh
+    fields = {name: (f.shape, f.dtype) for name, f in replay_fields(spec).items()}
+    ctx["arrays"], ctx["valid"] = buffer.empty(fields, config.n_slots, config.steps_per_region,
+                                               config.envs_per_collector)
+    ctx["mirrored"] = {}  # slot -> region id held in the device mirror
+    ctx["store"] = open_store(config, spec)
+    return ctx
+
+
+def _sync_mirror(ctx: dict) -> int:
+    """Copies regions committed since the last sync into the device mirror; returns how many."""
+    store, new = ctx["store"], 0
+    for region_id, slot in store.committed():
+        if ctx["mirrored"].get(slot) == region_id:
+            continue
+        try:
+            region = store.read_region(region_id)
+        except StoreError:  # overwritten by the ring between listing and reading
+            continue
+        ctx["arrays"], ctx["valid"] = buffer.insert(ctx["arrays"], ctx["valid"], slot, region)
+        ctx["mirrored"][slot] = region_id
+        new += 1
+    return new
+
+
+def train(config, iteration: int, env_steps: int, checkpoint: bool = False) -> dict:
+    """Updates the learner on the replay ring; returns new policy params and metrics.
+
+    Mirrors newly committed regions, runs `updates_per_region` updates per new region once
+    `learning_starts` env steps are stored, and checkpoints when asked (or at the end).
+    """
+    config = as_config(config)
+    ctx = _learner_state(config, _context("train", config))
+    learner = ctx["learner"]
+    started = time.perf_counter()
+    new_regions = _sync_mirror(ctx)
+    stored_env_steps = len(ctx["mirrored"]) * config.steps_per_region * config.envs_per_collector
+    metrics = {}
+    n_updates = new_regions * learner.config.updates_per_region
+    if n_updates and stored_env_steps >= learner.config.learning_starts:
+        ctx["train_state"], m = learner.train(ctx["train_state"], ctx["arrays"], ctx["valid"], n_updates)
+        metrics = _scalars(m)
+    version = iteration + 1
+    ctx["meta"] = {"iteration": iteration + 1, "env_steps": int(env_steps), "param_version": version,
+                   "updates": int(ctx["train_state"]["updates"])}
+    if checkpoint:
+        ctx["checkpoints"].save(iteration + 1, _to_numpy(ctx["train_state"]), ctx["meta"])
+    return {"params": _to_numpy(learner.policy_params(ctx["train_state"])),
+            "param_version": version,
+            "metrics": {**metrics, "updates": n_updates, "train_s": time.perf_counter() - started,
+                        "total_updates": ctx["meta"]["updates"]}}
+
+
+def initial_params(config) -> dict:
+    """Policy params before any update: the latest checkpoint's, else a fresh init's."""
+    config = as_config(config)
+    ctx = _learner_state(config, _context("train", config))
+    return _to_numpy(ctx["learner"].policy_params(ctx["train_state"]))
+
+
+# ---------------------------------------------------------------------- evaluate
+
+
+def evaluate(config, params, iteration: int) -> dict:
+    """Greedy play of `eval_episodes` fresh episodes; win rate, return and length."""
+    config = as_config(config)
+    ctx = _context("evaluate", config)
+    if "evaluate" not in ctx:
+        learner = ctx["learner"]
+        ctx["evaluate"] = rollout.make_evaluator(ctx["env"], learner.act, learner.init_carry,
+                                                 config.eval_episodes, learner.greedy)
+    key = jax.random.fold_in(jax.random.PRNGKey(config.seed + 10_000), iteration)
+    return _scalars(ctx["evaluate"](params, key))
