@@ -86,7 +86,8 @@ def marl_train(preset: str = "qmix-smac", env: str | None = None, env_steps: int
                          for c in range(config.n_collectors)]
             collected = [c.result() for c in collected]
             env_steps_done += config.steps_per_iteration
-            last = iteration == config.n_iterations - 1
+            out_of_time = bool(config.max_wall_s) and time.perf_counter() - began >= config.max_wall_s
+            last = iteration == config.n_iterations - 1 or out_of_time
             checkpoint = last or (iteration + 1) % config.checkpoint_every == 0
             metrics, params = train_task(client, learner, cfg, iteration, env_steps_done, checkpoint)
             version = iteration + 1
@@ -94,6 +95,7 @@ def marl_train(preset: str = "qmix-smac", env: str | None = None, env_steps: int
                    "return": _mean(c["return_mean"] for c in collected),
                    "win_rate": _mean(c["win_rate"] for c in collected),
                    "loss": metrics.get("loss", float("nan")),
+                   "total_updates": metrics["total_updates"],
                    "steps_per_s": config.steps_per_iteration / (time.perf_counter() - tick)}
             if last or (iteration + 1) % config.eval_every == 0:
                 last_eval = evaluate_task(client, collector_workers[0], cfg, params, iteration)
@@ -103,6 +105,11 @@ def marl_train(preset: str = "qmix-smac", env: str | None = None, env_steps: int
                                  for k, v in row.items()))
             for hook in ITERATION_HOOKS:
                 hook({**row, "n_iterations": config.n_iterations})
+            if out_of_time:
+                logger.info("stopping after %.0f s (max_wall_s)", config.max_wall_s)
+                break
+        if not history:  # the run dir's checkpoint is already at the end: just score it
+            last_eval = evaluate_task(client, collector_workers[0], cfg, params, start["iteration"])
         params.release()
     return {"run_dir": config.run_dir, "store": config.store_path,
             "checkpoint_dir": config.checkpoint_dir, "iterations": len(history),

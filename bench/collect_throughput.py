@@ -1,0 +1,154 @@
+"""Collect-stage throughput: the pipeline (Dask worker, jitted rollout, Zarr region write
+and commit) against a plain jitted, vmapped jaxmarl rollout of the same policy in one
+process, side by side in one run, at several env counts.
+
+    python bench/collect_throughput.py [--envs 256 1024 4096] [--steps 32] [--repeats 8]
+
+Writes bench/results/collect_throughput.{json,md,png}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+
+
+def plain_rollout(n_envs: int, n_steps: int, repeats: int, epsilon: float) -> dict:
+    """jaxmarl's own dict API, vmapped and scanned, with the QMIX agent acting; no storage."""
+    import jax
+    import jax.numpy as jnp
+    from jaxmarl.environments.smax import HeuristicEnemySMAX, map_name_to_scenario
+
+    from marl import algos, envs
+
+    spec = envs.spec_of("smax:3m")
+    learner = algos.make_learner("qmix", spec, algos.config_for("qmix"))
+    env = HeuristicEnemySMAX(scenario=map_name_to_scenario("3m"))
+    agents = env.agents
+
+    def run(params, key):
+        key, reset_key = jax.random.split(key)
+        obs, state = jax.vmap(env.reset)(jax.random.split(reset_key, n_envs))
+
+        def step(carry, _):
+            obs, state, hidden, done, key = carry
+            key, act_key, step_key = jax.random.split(key, 3)
+            stacked = jnp.stack([obs[a] for a in agents], axis=1)
+            avail = jax.vmap(env.get_avail_actions)(state)
+            avail = jnp.stack([avail[a] for a in agents], axis=1).astype(bool)
+            actions, hidden = learner.act(params, hidden, stacked, avail, done, act_key,
+                                          {"epsilon": jnp.float32(epsilon)})
+            obs, state, reward, dones, _ = jax.vmap(env.step)(
+                jax.random.split(step_key, n_envs), state, {a: actions[:, i] for i, a in enumerate(agents)})
+            record = (stacked, obs["world_state"], avail, actions, reward[agents[0]], dones["__all__"])
+            return (obs, state, hidden, dones["__all__"], key), record
+
+        init = (obs, state, learner.init_carry(n_envs), jnp.zeros(n_envs, bool), key)
+        _, records = jax.lax.scan(step, init, None, n_steps)
+        return records
+
+    run = jax.jit(run)
+    params = learner.policy_params(learner.init(jax.random.PRNGKey(0)))
+    jax.block_until_ready(run(params, jax.random.PRNGKey(1)))  # compile
+    started = time.perf_counter()
+    for i in range(repeats):
+        jax.block_until_ready(run(params, jax.random.PRNGKey(2 + i)))
+    seconds = time.perf_counter() - started
+    return {"steps_per_s": n_envs * n_steps * repeats / seconds, "seconds": seconds}
+
+
+def pipeline_collect(client, worker: str, n_envs: int, n_steps: int, repeats: int) -> dict:
+    """The collect stage as the flow runs it: submitted to a Dask worker, params as a future."""
+    from pipelines import stages
+    from pipelines.config import make_run_config
+
+    run_dir = tempfile.mkdtemp(prefix=f"collect-bench-{n_envs}-")
+    config = make_run_config("qmix-smac", run_dir=run_dir, overrides={
+        "envs_per_collector": n_envs, "steps_per_region": n_steps, "buffer_steps": n_steps * (repeats + 1)})
+    cfg = config.to_dict()
+    client.submit(stages.prepare_run, cfg, workers=[worker], pure=False).result()
+    params = client.submit(stages.initial_params, cfg, workers=[worker], pure=False)
+    # warm up: compile and open the store on the worker, as the first iteration of a run does
+    client.submit(stages.collect, cfg, 0, 0, params, 0, 10**6, workers=[worker], pure=False).result()
+    started = time.perf_counter()
+    parts = []
+    for i in range(1, repeats + 1):
+        parts.append(client.submit(stages.collect, cfg, 0, i, params, 0, 10**6,
+                                   workers=[worker], pure=False).result())
+    seconds = time.perf_counter() - started
+    rollout_s = sum(p["rollout_s"] for p in parts)
+    stage_s = sum(p["collect_s"] for p in parts)
+    size = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(config.store_path) for f in fs)
+    return {"steps_per_s": n_envs * n_steps * repeats / seconds, "seconds": seconds,
+            "rollout_s": rollout_s, "write_s": stage_s - rollout_s, "dask_s": seconds - stage_s,
+            "store_mib": size / 2**20}
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--envs", type=int, nargs="+", default=[256, 1024, 4096])
+    parser.add_argument("--steps", type=int, default=32, help="steps per collect (region length T)")
+    parser.add_argument("--repeats", type=int, default=8)
+    parser.add_argument("--epsilon", type=float, default=0.1)
+    args = parser.parse_args()
+
+    from distributed import Client
+
+    from pipelines.cluster import make_cluster
+
+    rows = []
+    with make_cluster(n_workers=1, kind="auto", dashboard_address="127.0.0.1:0") as cluster, Client(cluster) as client:
+        worker = sorted(client.scheduler_info()["workers"])[0]
+        for n in args.envs:
+            # the plain rollout runs while the worker idles, and the other way round, so the
+            # two never share the cores
+            plain = plain_rollout(n, args.steps, args.repeats, args.epsilon)
+            piped = pipeline_collect(client, worker, n, args.steps, args.repeats)
+            row = {"n_envs": n, "steps_per_region": args.steps, "repeats": args.repeats,
+                   "plain_steps_per_s": plain["steps_per_s"], "pipeline_steps_per_s": piped["steps_per_s"],
+                   "ratio": piped["steps_per_s"] / plain["steps_per_s"],
+                   **{f"pipeline_{k}": v for k, v in piped.items() if k != "steps_per_s"}}
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+
+    os.makedirs(RESULTS, exist_ok=True)
+    with open(os.path.join(RESULTS, "collect_throughput.json"), "w") as f:
+        json.dump({"command": " ".join(["python", "bench/collect_throughput.py", *sys.argv[1:]]), "rows": rows}, f, indent=2)
+    lines = ["| envs N | plain jaxmarl rollout (steps/s) | collect stage via Dask + Zarr (steps/s) | ratio | rollout s | write+commit s | Dask s | store MiB |",
+             "|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        lines.append(f"| {r['n_envs']} | {r['plain_steps_per_s']:,.0f} | {r['pipeline_steps_per_s']:,.0f} | {r['ratio']:.2f} | "
+                     f"{r['pipeline_rollout_s']:.2f} | {r['pipeline_write_s']:.2f} | {r['pipeline_dask_s']:.2f} | {r['pipeline_store_mib']:.0f} |")
+    table = "\n".join(lines)
+    with open(os.path.join(RESULTS, "collect_throughput.md"), "w") as f:
+        f.write(table + "\n")
+    print(table)
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ns = [r["n_envs"] for r in rows]
+    ax.plot(ns, [r["plain_steps_per_s"] for r in rows], "o-", label="plain jitted jaxmarl rollout")
+    ax.plot(ns, [r["pipeline_steps_per_s"] for r in rows], "s-", label="collect stage (Dask + Zarr)")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("vmapped envs N")
+    ax.set_ylabel("env steps / s")
+    ax.set_title(f"SMAX 3m collect throughput, T={args.steps}")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(os.path.join(RESULTS, "collect_throughput.png"), dpi=120)
+
+
+if __name__ == "__main__":
+    main()

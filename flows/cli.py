@@ -1,0 +1,164 @@
+"""`marl`: train presets on the embedded default, inspect replay stores.
+
+    marl train qmix-smac [--env-steps N] [--collectors K] [--run-dir D] [--set key=value ...]
+    marl replay info PATH
+    marl presets
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import math
+import os
+import sys
+
+
+def _embedded_defaults():
+    """Prefect without a server (a temporary one in-process), its state under .prefect/."""
+    os.environ.setdefault("PREFECT_HOME", os.path.abspath(".prefect"))
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "90")
+    os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
+    logging.getLogger("distributed").setLevel(logging.WARNING)
+
+
+def _parse_sets(pairs: list[str]) -> dict[str, str]:
+    out = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise SystemExit(f"marl: bad --set {pair!r}; write --set key=value, e.g. --set lr=0.001")
+        out[key.strip()] = value.strip()
+    return out
+
+
+def cmd_train(args) -> int:
+    _embedded_defaults()
+    from rich.console import Console
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+    from rich.table import Table
+
+    from flows import train as train_flow
+    from marl.algos import ConfigError
+    from marl.envs import EnvError
+    from pipelines.config import make_run_config
+    from storage import StoreError
+
+    console = Console()
+    overrides = _parse_sets(args.set or [])
+    try:  # fail fast, before any cluster or server starts
+        config = make_run_config(args.preset, env_id=args.env, total_env_steps=args.env_steps,
+                                 n_collectors=args.collectors, seed=args.seed,
+                                 run_dir=args.run_dir, overrides=overrides)
+        from marl import envs
+
+        envs.make(config.env_id, **config.env_kwargs)
+    except (ConfigError, EnvError) as e:
+        console.print(f"[red]marl: {e}[/red]")
+        return 2
+
+    table = Table(title=f"{config.preset} on {config.env_id}")
+    for col in ("iter", "env steps", "test win", "return", "loss", "env steps/s"):
+        table.add_column(col, justify="right")
+    fmt = lambda v, spec: "" if v is None or (isinstance(v, float) and math.isnan(v)) else format(v, spec)
+    with Progress(TextColumn("[bold]{task.description}"), BarColumn(), TextColumn("{task.completed:,}/{task.total:,} env steps"),
+                  TimeElapsedColumn(), console=console) as progress:
+        bar = progress.add_task("training", total=config.n_iterations * config.steps_per_iteration)
+
+        def on_iteration(row):
+            progress.update(bar, completed=row["env_steps"])
+            if "test_win_rate" in row:
+                table.add_row(str(row["iteration"]), f"{row['env_steps']:,}", fmt(row["test_win_rate"], ".3f"),
+                              fmt(row["return"], ".3f"), fmt(row["loss"], ".4f"), fmt(row["steps_per_s"], ",.0f"))
+                progress.console.print(f"iter {row['iteration']:>5}  env steps {row['env_steps']:>10,}  "
+                                       f"test win {fmt(row['test_win_rate'], '.3f'):>6}  "
+                                       f"return {fmt(row['return'], '.3f'):>7}  loss {fmt(row['loss'], '.4f'):>8}  "
+                                       f"env steps/s {fmt(row['steps_per_s'], ',.0f'):>8}")
+
+        train_flow.ITERATION_HOOKS.append(on_iteration)
+        try:
+            result = train_flow.marl_train(
+                preset=args.preset, env=args.env, env_steps=args.env_steps, collectors=args.collectors,
+                seed=args.seed, run_dir=args.run_dir, overrides=overrides,
+                scheduler_address=args.scheduler, n_workers=args.workers)
+        except (ConfigError, EnvError, StoreError, ValueError) as e:
+            console.print(f"[red]marl: {e}[/red]")
+            return 2
+        finally:
+            train_flow.ITERATION_HOOKS.remove(on_iteration)
+    console.print(table)
+    if result["resumed_from"]:
+        console.print(f"resumed from iteration {result['resumed_from']}")
+    console.print(f"replay store: {os.path.abspath(result['store'])}")
+    console.print(f"checkpoints:  {result['checkpoint_dir']}")
+    return 0
+
+
+def cmd_replay_info(args) -> int:
+    import numpy as np
+
+    from storage import ReplayStore, StoreError, open_replay
+
+    try:
+        store = ReplayStore.open(args.path)
+        ds = open_replay(args.path)
+    except StoreError as e:
+        print(f"marl: {e}", file=sys.stderr)
+        return 2
+    attrs = store.attrs
+    print(f"store:        {os.path.abspath(args.path)}")
+    print(f"schema:       v{attrs.get('schema_version')}  env {attrs.get('env_id')}  algorithm {attrs.get('algorithm')}  seed {attrs.get('seed')}")
+    print(f"committed:    {len(store.committed())} regions ({store.committed_steps()} steps x {store.n_envs} envs), "
+          f"{store.total_regions_committed()} regions written in all, ring of {store.n_slots}")
+    print("dims:         " + ", ".join(f"{k}={v}" for k, v in ds.sizes.items()))
+    for name, var in ds.data_vars.items():
+        print(f"  {name:14s} {str(var.dtype):8s} ({', '.join(var.dims)})")
+    size = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(args.path) for f in fs)
+    print(f"size on disk: {size / 2**20:.1f} MiB")
+    if len(ds.step):
+        print(f"iterations:   {int(np.min(ds.iteration))}..{int(np.max(ds.iteration))}")
+    return 0
+
+
+def cmd_presets(args) -> int:
+    from pipelines.config import PRESETS
+
+    for name, p in sorted(PRESETS.items()):
+        print(f"{name:18s} {p['algo']:6s} {p['env_id']:12s} {p['total_env_steps']:>10,} env steps")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="marl", description="Multi-agent RL as a dataflow.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("train", help="train a preset on a local Dask cluster with Prefect (no server needed)")
+    p.add_argument("preset", help="e.g. qmix-smac (see `marl presets`)")
+    p.add_argument("--env", help="env id, e.g. smax:3m, smax:2s3z (default: the preset's)")
+    p.add_argument("--env-steps", type=int, help="total env steps (default: the preset's)")
+    p.add_argument("--collectors", type=int, help="parallel collect tasks per iteration")
+    p.add_argument("--seed", type=int)
+    p.add_argument("--run-dir", help="where the replay store and checkpoints live (default runs/PRESET); "
+                   "an existing run dir resumes")
+    p.add_argument("--set", action="append", metavar="KEY=VALUE",
+                   help="override a run or algorithm setting, e.g. --set lr=0.001 (repeatable)")
+    p.add_argument("--scheduler", help="address of a running Dask scheduler (default: a new local cluster)")
+    p.add_argument("--workers", type=int, default=2, help="local cluster workers (default 2)")
+    p.set_defaults(fn=cmd_train)
+
+    p = sub.add_parser("replay", help="inspect replay stores")
+    rsub = p.add_subparsers(dest="replay_command", required=True)
+    info = rsub.add_parser("info", help="schema, env, dims, committed steps, size")
+    info.add_argument("path")
+    info.set_defaults(fn=cmd_replay_info)
+
+    p = sub.add_parser("presets", help="list the training presets")
+    p.set_defaults(fn=cmd_presets)
+
+    args = parser.parse_args(argv)
+    return args.fn(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

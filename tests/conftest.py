@@ -1,0 +1,30 @@
+"""Shared, real fixtures: one Prefect test server and one 2-worker LocalCluster per session."""
+
+import os
+import tempfile
+
+_TMP = tempfile.mkdtemp(prefix="marl-tests-")
+# before anything imports prefect or jax: own Prefect home, shared JAX compile cache
+os.environ.setdefault("PREFECT_HOME", os.path.join(_TMP, "prefect"))
+os.environ["PREFECT_SERVER_ANALYTICS_ENABLED"] = "false"
+os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(tempfile.gettempdir(), "marl-jax-cache-tests"))
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def prefect_server():
+    from prefect.testing.utilities import prefect_test_harness
+
+    with prefect_test_harness(server_startup_timeout=120):
+        yield
+
+
+@pytest.fixture(scope="session")
+def dask_cluster():
+    from pipelines.cluster import make_cluster
+
+    with make_cluster(n_workers=2, kind="cpu", dashboard_address="127.0.0.1:0") as cluster:
+        yield cluster

@@ -1,0 +1,134 @@
+"""The whole path for real: stages, a 2-worker LocalCluster, a Zarr store on disk, Prefect flow runs."""
+
+import json
+import os
+
+import numpy as np
+import pytest
+
+from marl.algos import ConfigError
+from marl.envs import EnvError
+from pipelines import stages
+from pipelines.config import make_run_config
+from storage import ReplayStore, StoreError, open_replay
+
+TINY = "qmix-smac-tiny"
+
+
+def test_stages_run_as_plain_functions(tmp_path):
+    config = make_run_config(TINY, run_dir=str(tmp_path / "run"), n_collectors=1, total_env_steps=512,
+                             overrides={"learning_starts": "1"})
+    cfg = config.to_dict()
+    assert stages.prepare_run(cfg) == {"iteration": 0, "env_steps": 0, "param_version": 0}
+    params = stages.initial_params(cfg)
+    for iteration in range(2):
+        stats = stages.collect(cfg, 0, iteration, params, iteration, iteration * 256)
+        assert stats["region"] == iteration and stats["steps"] == 256
+        out = stages.train(cfg, iteration, (iteration + 1) * 256, checkpoint=iteration == 1)
+        params = out["params"]
+        assert out["metrics"]["updates"] == config.algo_config().updates_per_region
+    ev = stages.evaluate(cfg, params, 1)
+    assert ev["episodes"] == config.eval_episodes
+    ds = open_replay(config.store_path)
+    assert ds.obs.dims == ("step", "env", "agent", "obs_dim")
+    assert ds.sizes["step"] == 64 and list(np.unique(ds.iteration)) == [0, 1]
+    assert stages.prepare_run(cfg)["iteration"] == 2  # the checkpoint says where to resume
+    stages.clear_caches()
+
+
+@pytest.fixture(scope="module")
+def first_run(tmp_path_factory, prefect_server, dask_cluster):
+    """A tiny flow run whose collect task of region 3 fails once after committing."""
+    from flows.train import marl_train
+
+    run_dir = str(tmp_path_factory.mktemp("flow") / "run")
+    result = marl_train(preset=TINY, run_dir=run_dir, env_steps=2048,
+                        overrides={"fail_regions_once": "3"},
+                        scheduler_address=dask_cluster.scheduler_address)
+    return run_dir, result
+
+
+def test_flow_writes_a_labelled_store(first_run):
+    run_dir, result = first_run
+    ds = open_replay(os.path.join(run_dir, "replay"))
+    # 2048 env steps = 4 iterations x 2 collectors x (8 envs x 32 steps)
+    assert result["iterations"] == 4 and result["env_steps"] == 2048
+    assert dict(ds.sizes) == {"step": 8 * 32, "env": 8, "agent": 3, "obs_dim": 75, "state_dim": 72, "n_actions": 8}
+    assert ds.obs.dims == ("step", "env", "agent", "obs_dim")
+    assert ds.state.dims == ("step", "env", "state_dim")
+    assert ds.action.dims == ("step", "env", "agent") and ds.done.dims == ("step", "env")
+    assert ds.avail_actions.dims == ("step", "env", "agent", "n_actions")
+    assert set(ds.coords) >= {"iteration", "collector", "param_version", "region"}
+    attrs = ReplayStore.open(os.path.join(run_dir, "replay")).attrs
+    assert attrs["env_id"] == "smax:3m" and attrs["algorithm"] == "qmix" and attrs["schema_version"] == 1
+    assert result["final_eval"]["episodes"] == 16
+    assert np.isfinite(result["history"][-1]["loss"])
+
+
+def test_retried_collect_leaves_no_region_duplicated_or_missing(first_run):
+    run_dir, _ = first_run
+    assert os.path.exists(os.path.join(run_dir, "faults", "region-3")), "the fault was not injected"
+    store = ReplayStore.open(os.path.join(run_dir, "replay"))
+    regions = [r for r, _ in store.committed()]
+    assert regions == list(range(8)) and store.total_regions_committed() == 8
+    ds = open_replay(os.path.join(run_dir, "replay"))
+    per_region = ds.region.to_series().value_counts()
+    assert (per_region == 32).all() and len(per_region) == 8
+    # region r = iteration * 2 + collector, each written by the collector that owns it
+    pairs = {(int(r), int(i), int(c)) for r, i, c in zip(ds.region.values, ds.iteration.values, ds.collector.values)}
+    assert pairs == {(i * 2 + c, i, c) for i in range(4) for c in range(2)}
+
+
+def test_flow_resumes_from_its_checkpoint(first_run, dask_cluster):
+    from flows.train import marl_train
+
+    run_dir, first = first_run
+    result = marl_train(preset=TINY, run_dir=run_dir, env_steps=3072,
+                        scheduler_address=dask_cluster.scheduler_address)
+    assert result["resumed_from"] == first["iterations"] == 4
+    assert result["iterations"] == 2 and result["env_steps"] == 3072
+    assert [h["iteration"] for h in result["history"]] == [5, 6]
+    store = ReplayStore.open(os.path.join(run_dir, "replay"))
+    assert [r for r, _ in store.committed()] == list(range(12))
+    # the learner continued from its checkpoint: its update counter carries on
+    per_iteration = 2 * make_run_config(TINY).algo_config().updates_per_region
+    assert first["history"][-1]["total_updates"] == 4 * per_iteration
+    assert result["history"][0]["total_updates"] == 5 * per_iteration
+
+
+@pytest.mark.parametrize("kwargs, error, words", [
+    (dict(env="smax:4m"), EnvError, "unknown env id 'smax:4m'"),
+    (dict(preset="qmix-smax"), ConfigError, "unknown preset 'qmix-smax'"),
+    (dict(overrides={"lrr": "1"}), ConfigError, "unknown setting 'lrr'"),
+    (dict(overrides={"hidden": "wide"}), ConfigError, "not a valid int"),
+    (dict(env="smax:2s3z"), StoreError, "was made for env smax:3m"),
+])
+def test_bad_input_is_refused_and_the_store_stays_readable(first_run, dask_cluster, kwargs, error, words):
+    from flows.train import marl_train
+
+    run_dir, _ = first_run
+    store_path = os.path.join(run_dir, "replay")
+    before = open_replay(store_path)
+    args = dict(preset=TINY, run_dir=run_dir, env_steps=4096, scheduler_address=dask_cluster.scheduler_address)
+    with pytest.raises(error, match=words) as err:
+        marl_train(**{**args, **kwargs})
+    assert "\n" not in str(err.value)
+    after = open_replay(store_path)
+    assert after.sizes == before.sizes
+    np.testing.assert_array_equal(after.obs.values, before.obs.values)
+
+
+def test_cli_trains_and_reports_paths(tmp_path, prefect_server, dask_cluster, capsys):
+    from flows.cli import main
+
+    run_dir = tmp_path / "cli-run"
+    code = main(["train", TINY, "--env-steps", "1024", "--run-dir", str(run_dir),
+                 "--scheduler", dask_cluster.scheduler_address, "--set", "eval_every=1"])
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "test win" in out and "replay store:" in out and "checkpoints:" in out
+    assert main(["replay", "info", str(run_dir / "replay")]) == 0
+    info = capsys.readouterr().out
+    assert "env smax:3m" in info and "4 regions" in info
+    assert main(["train", "no-such-preset"]) == 2
+    assert "unknown preset 'no-such-preset'" in capsys.readouterr().out
