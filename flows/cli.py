@@ -20,6 +20,7 @@ def _embedded_defaults():
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "90")
     os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
+    os.environ.setdefault("DASK_LOGGING__DISTRIBUTED", "warning")  # read by dask at import
     logging.getLogger("distributed").setLevel(logging.WARNING)
 
 
@@ -71,10 +72,10 @@ def cmd_train(args) -> int:
             if "test_win_rate" in row:
                 table.add_row(str(row["iteration"]), f"{row['env_steps']:,}", fmt(row["test_win_rate"], ".3f"),
                               fmt(row["return"], ".3f"), fmt(row["loss"], ".4f"), fmt(row["steps_per_s"], ",.0f"))
-                progress.console.print(f"iter {row['iteration']:>5}  env steps {row['env_steps']:>10,}  "
-                                       f"test win {fmt(row['test_win_rate'], '.3f'):>6}  "
-                                       f"return {fmt(row['return'], '.3f'):>7}  loss {fmt(row['loss'], '.4f'):>8}  "
-                                       f"env steps/s {fmt(row['steps_per_s'], ',.0f'):>8}")
+                progress.console.print(f"iter {row['iteration']:>5}  steps {row['env_steps']:>9,}  "
+                                       f"test win {fmt(row['test_win_rate'], '.3f'):>5}  "
+                                       f"return {fmt(row['return'], '.3f'):>6}  loss {fmt(row['loss'], '.4f'):>7}  "
+                                       f"steps/s {fmt(row['steps_per_s'], ',.0f'):>6}")
 
         train_flow.ITERATION_HOOKS.append(on_iteration)
         try:

@@ -125,16 +125,24 @@ def _pad(x, size):
     return jnp.pad(x, (0, size - x.shape[0]))
 
 
+def _quiet_import(name: str):
+    """jaxmarl prints a line about optional submodules on import; keep worker logs clean."""
+    import contextlib
+    import io
+
+    with contextlib.redirect_stdout(io.StringIO()):
+        return importlib.import_module(name)
+
+
 def smax_scenarios() -> list[str]:
-    from jaxmarl.environments.smax import smax_env
+    smax_env = _quiet_import("jaxmarl.environments.smax.smax_env")
 
     return sorted(smax_env.MAP_NAME_TO_SCENARIO)
 
 
 def mpe_scenarios() -> dict[str, str]:
     """mpe:<name> -> jaxmarl registry name, e.g. simple_spread -> MPE_simple_spread_v3."""
-    from jaxmarl import registration
-
+    registration = _quiet_import("jaxmarl.registration")
     return {re.sub(r"^MPE_|_v\d+$", "", name): name
             for name in registration.registered_envs if name.startswith("MPE_")}
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 import tempfile
 
 import dask
@@ -38,6 +39,10 @@ def gpu_count() -> int:
     return int(count)
 
 
+# the directory holding marl/, storage/, pipelines/ and flows/
+PROJECT_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
 def worker_environment() -> dict[str, str]:
     """Set in every worker before it starts: a shared JAX compile cache (a worker's first
     jit drops from ~12 s to ~1 s when the function was compiled before), quiet Prefect."""
@@ -57,6 +62,12 @@ def make_cluster(n_workers: int = 2, kind: str = "auto", dashboard_address: str 
     if kind not in {"auto", "cpu", "gpu"}:
         raise ValueError(f"unknown cluster kind {kind!r}; use auto, cpu or gpu")
     env = worker_environment()
+    # A Dask worker puts its local directory first on sys.path and keeps a spill folder named
+    # `storage` there; under an editable install (an import hook, no path entry) that empty
+    # folder would shadow our `storage` package. A real path entry wins over it, and spawned
+    # workers inherit this process's sys.path.
+    if PROJECT_ROOT not in sys.path:
+        sys.path.append(PROJECT_ROOT)
     # the nanny applies these before spawning, so they reach workers even when the
     # parent process imported jax first (LocalCluster(env=...) comes too late for that)
     with dask.config.set({"distributed.nanny.pre-spawn-environ": {

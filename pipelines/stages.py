@@ -203,17 +203,21 @@ def _sync_mirror(ctx: dict) -> int:
 def train(config, iteration: int, env_steps: int, checkpoint: bool = False) -> dict:
     """Updates the learner on the replay ring; returns new policy params and metrics.
 
-    Mirrors newly committed regions, runs `updates_per_region` updates per new region once
-    `learning_starts` env steps are stored, and checkpoints when asked (or at the end).
+    Mirrors newly committed regions, runs `updates_per_region` updates per region that
+    this iteration collected once `learning_starts` env steps are stored, and checkpoints
+    when asked.
     """
     config = as_config(config)
     ctx = _learner_state(config, _context("train", config))
     learner = ctx["learner"]
     started = time.perf_counter()
-    new_regions = _sync_mirror(ctx)
+    _sync_mirror(ctx)
     stored_env_steps = len(ctx["mirrored"]) * config.steps_per_region * config.envs_per_collector
     metrics = {}
-    n_updates = new_regions * learner.config.updates_per_region
+    # updates follow the data this iteration collected: a learner rebuilt on resume mirrors
+    # the whole store at once, but must not replay updates for regions already trained on
+    this_iteration = sum(1 for r in ctx["mirrored"].values() if r // config.n_collectors == iteration)
+    n_updates = this_iteration * learner.config.updates_per_region
     if n_updates and stored_env_steps >= learner.config.learning_starts:
         ctx["train_state"], m = learner.train(ctx["train_state"], ctx["arrays"], ctx["valid"], n_updates)
         metrics = _scalars(m)
