@@ -94,6 +94,9 @@ class JaxEnv:
 
     def reset(self, key) -> tuple[Timestep, Any]:
         obs, env_state = self.env.reset(key)
+        # some jaxmarl states hold weakly typed leaves that step() returns strongly typed;
+        # fix the types here so a jitted rollout compiles once, not again on its 2nd call
+        env_state = jax.tree.map(lambda x: jnp.asarray(x, dtype=jnp.asarray(x).dtype), env_state)
         n = self.spec.n_agents
         ts = self._timestep(obs, env_state, jnp.zeros((n,), jnp.float32),
                             jnp.array(False), jnp.array(False))

@@ -68,6 +68,7 @@ def test_collect_shapes_masks_and_episode_stats(smax3m):
         chosen = np.take_along_axis(np.asarray(data["avail_actions"]), np.asarray(data["action"])[..., None], -1)
         assert chosen.all(), "an unavailable action was chosen"
     assert int(stats["episodes"]) == int(np.asarray(data["done"]).sum())
+    assert collect._cache_size() == 1, "the rollout recompiled on a later call"
 
 
 def test_evaluate_counts_one_episode_per_env(smax3m):
