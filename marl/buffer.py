@@ -7,6 +7,8 @@ touching disk. `valid[slot]` says which slots hold a committed region.
 
 from __future__ import annotations
 
+from functools import partial
+
 import jax
 import jax.numpy as jnp
 
@@ -17,8 +19,9 @@ def empty(fields: dict[str, tuple[tuple[int, ...], str]], n_slots: int, steps: i
     return arrays, jnp.zeros((n_slots,), bool)
 
 
-@jax.jit
+@partial(jax.jit, donate_argnums=(0, 1))
 def insert(arrays, valid, slot, region):
+    """Writes one region into `slot` in place (the old arrays are donated: ~1 s -> ms)."""
     arrays = {k: v.at[slot].set(region[k].astype(v.dtype)) for k, v in arrays.items()}
     return arrays, valid.at[slot].set(True)
 

@@ -32,6 +32,7 @@ from __future__ import annotations
 import json
 import os
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Mapping
 
@@ -428,8 +429,13 @@ class ReplayStore:
 
     def _write_fields(self, slot: int, arrays: dict[str, np.ndarray]) -> None:
         steps = self._steps(slot)
-        for name, arr in arrays.items():
-            self._arrays[name][steps] = arr  # one whole chunk
+        # one whole chunk per field; the fields are independent arrays, so they are encoded
+        # and written concurrently (zstd releases the GIL), which matters for large regions
+        with ThreadPoolExecutor(max_workers=min(len(arrays), os.cpu_count() or 1)) as pool:
+            futures = [pool.submit(self._arrays[name].__setitem__, steps, arr)
+                       for name, arr in arrays.items()]
+            for future in futures:
+                future.result()
 
     def _write_coords(self, slot: int, values: dict[str, int]) -> None:
         steps = self._steps(slot)
