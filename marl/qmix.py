@@ -31,6 +31,7 @@ class Config:
     hypernet_embed: int = 64
     lr: float = 5e-4
     gamma: float = 0.99
+    td_lambda: float = 0.0  # 0: one-step targets; >0: TD(lambda) targets over each window
     max_grad_norm: float = 10.0
     batch_size: int = 32  # windows per update
     seq_len: int = 32  # window length (<= steps per region)
@@ -82,6 +83,20 @@ def with_agent_ids(obs):
     n_agents = obs.shape[-2]
     ids = jnp.broadcast_to(jnp.eye(n_agents, dtype=obs.dtype), (*obs.shape[:-2], n_agents, n_agents))
     return jnp.concatenate([obs, ids], axis=-1)
+
+
+def lambda_returns(reward, done, next_value, gamma: float, lam: float):
+    """TD(lambda) targets along a window ([B, L-1] each), bootstrapping from the target
+    Q_tot of the next step: G_t = r_t + gamma (1 - d_t) ((1 - lam) Q'_{t+1} + lam G_{t+1}),
+    with G at the window's last transition the one-step target. lam = 0 is one-step TD."""
+    def step(g_next, inputs):
+        r, d, v = inputs
+        g = r + gamma * (1.0 - d) * ((1.0 - lam) * v + lam * g_next)
+        return g, g
+
+    xs = jax.tree.map(lambda x: jnp.swapaxes(x, 0, 1), (reward, done, next_value))
+    _, g = jax.lax.scan(step, xs[2][-1], xs, reverse=True)
+    return jnp.swapaxes(g, 0, 1)
 
 
 def make_learner(spec: EnvSpec, config: Config):
@@ -157,7 +172,7 @@ def make_learner(spec: EnvSpec, config: Config):
         q_tot = mixer.apply(params["mixer"], chosen[:, :-1], batch["state"][:, :-1])
         next_q_tot = mixer.apply(target_params["mixer"], next_q, batch["state"][:, 1:])
         reward = batch["reward"][:, :-1].mean(axis=-1)
-        target = reward + config.gamma * (1.0 - done[:, :-1]) * next_q_tot
+        target = lambda_returns(reward, done[:, :-1], next_q_tot, config.gamma, config.td_lambda)
         td = q_tot - jax.lax.stop_gradient(target)
         loss = jnp.mean(td**2)
         return loss, {"loss": loss, "q_tot": q_tot.mean(), "td_abs": jnp.abs(td).mean()}

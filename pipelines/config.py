@@ -74,10 +74,11 @@ PRESETS: dict[str, dict] = {
     # 320k-600k env steps depending on the seed. Env steps are nearly free here, so one
     # update per 32 collected steps, short windows and a low final epsilon buy the most.
     "qmix-smac": dict(
-        algo="qmix", env_id="smax:3m", total_env_steps=1_000_000, n_collectors=1,
+        algo="qmix", env_id="smax:3m", total_env_steps=2_500_000, n_collectors=1,
         envs_per_collector=32, steps_per_region=32, buffer_steps=65_536,
-        eval_every=10, checkpoint_every=10,
-        algo_overrides=dict(updates_per_region=32, seq_len=16, eps_end=0.01, eps_decay_steps=50_000),
+        eval_every=10, checkpoint_every=20,
+        algo_overrides=dict(updates_per_region=32, seq_len=16, eps_end=0.01, eps_decay_steps=50_000,
+                            td_lambda=0.6),
     ),
     # a few thousand steps end to end, for tests and smoke runs
     "qmix-smac-tiny": dict(
