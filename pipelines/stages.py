@@ -217,7 +217,13 @@ def train(config, iteration: int, env_steps: int, checkpoint: bool = False) -> d
     when asked.
     """
     config = as_config(config)
-    ctx = _learner_state(config, _context("train", config))
+    ctx = _context("train", config)
+    if "train_state" in ctx and ctx["meta"]["iteration"] != iteration:
+        # a flow restarted on this cluster resumes from its checkpoint, not from whatever
+        # later state this worker still holds
+        for key in ("train_state", "meta", "mirrored", "arrays", "valid"):
+            ctx.pop(key, None)
+    ctx = _learner_state(config, ctx)
     learner = ctx["learner"]
     started = time.perf_counter()
     _sync_mirror(ctx, [iteration * config.n_collectors + c for c in range(config.n_collectors)])

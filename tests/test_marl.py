@@ -126,3 +126,18 @@ def test_bad_algorithm_settings():
     with pytest.raises(algos.ConfigError, match="not a valid int"):
         algos.config_for("qmix", {"hidden": "wide"})
     assert algos.config_for("qmix", {"lr": "1e-3", "hidden": "32"}).lr == 1e-3
+
+
+def test_lambda_returns_match_a_hand_computed_window():
+    from marl.qmix import lambda_returns
+
+    r = jnp.array([[1.0, 0.0, 2.0]])
+    d = jnp.array([[0.0, 1.0, 0.0]])  # the episode ends after the 2nd transition
+    v = jnp.array([[10.0, 20.0, 30.0]])  # target Q_tot of the next step
+    one_step = lambda_returns(r, d, v, 0.5, 0.0)
+    np.testing.assert_allclose(one_step, [[1 + 0.5 * 10, 0.0, 2 + 0.5 * 30]])
+    g = lambda_returns(r, d, v, 0.5, 0.5)
+    g2 = 2 + 0.5 * 30
+    g1 = 0.0  # terminal: no bootstrap
+    g0 = 1 + 0.5 * (0.5 * 10 + 0.5 * g1)
+    np.testing.assert_allclose(g, [[g0, g1, g2]])
