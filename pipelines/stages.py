@@ -78,7 +78,7 @@ def prepare_run(config) -> dict:
     try:
         if checkpoints.latest_step() is None:
             return {"iteration": 0, "env_steps": 0, "param_version": 0}
-        _, meta = checkpoints.restore()
+        meta = checkpoints.metadata()
         return {k: int(meta[k]) for k in ("iteration", "env_steps", "param_version")}
     finally:
         checkpoints.close()

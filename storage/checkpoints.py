@@ -95,9 +95,7 @@ class Checkpointer:
     def all_steps(self) -> list[int]:
         return sorted(self._manager.all_steps())
 
-    def restore(self, step: int | None = None, target: dict | None = None) -> tuple[dict, dict]:
-        """(state, metadata) of `step` (latest if None); `target` fixes structure and dtypes."""
-        ocp = self._ocp
+    def _step_to_restore(self, step: int | None) -> int:
         self._manager.wait_until_finished()
         steps = self.all_steps()
         if step is None:
@@ -112,6 +110,12 @@ class Checkpointer:
                 f"no checkpoint for step {step} in {self.directory} (have {steps or 'none'}); "
                 f"restore one of those steps"
             )
+        return step
+
+    def restore(self, step: int | None = None, target: dict | None = None) -> tuple[dict, dict]:
+        """(state, metadata) of `step` (latest if None); `target` fixes structure and dtypes."""
+        ocp = self._ocp
+        step = self._step_to_restore(step)
         restored = self._manager.restore(
             step,
             args=ocp.args.Composite(
@@ -120,6 +124,13 @@ class Checkpointer:
             ),
         )
         return restored.state, dict(restored.metadata or {})
+
+    def metadata(self, step: int | None = None) -> dict:
+        """The JSON metadata of `step` (latest if None), without reading the state."""
+        step = self._step_to_restore(step)
+        restored = self._manager.restore(
+            step, args=self._ocp.args.Composite(metadata=self._ocp.args.JsonRestore()))
+        return dict(restored.metadata or {})
 
     def close(self) -> None:
         self._manager.wait_until_finished()

@@ -433,6 +433,7 @@ def test_checkpointer_roundtrip(tmp_path):
     assert ckpt.latest_step() == 30
     restored, meta = ckpt.restore()
     assert meta == {"env_id": "smax:3m", "step": 30}
+    assert ckpt.metadata() == meta and ckpt.metadata(20) == {"env_id": "smax:3m", "step": 20}
     assert restored["step"] == 30
     np.testing.assert_array_equal(restored["params"]["w"], state["params"]["w"])
     np.testing.assert_array_equal(restored["rng"], np.asarray(key))
