@@ -17,8 +17,9 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+import report  # noqa: E402  (bench/report.py)
 
 
 def plain_rollout(n_envs: int, n_steps: int, repeats: int, epsilon: float) -> dict:
@@ -119,24 +120,14 @@ def main():
             rows.append(row)
             print(json.dumps(row), flush=True)
 
-    os.makedirs(RESULTS, exist_ok=True)
-    with open(os.path.join(RESULTS, "collect_throughput.json"), "w") as f:
-        json.dump({"command": " ".join(["python", "bench/collect_throughput.py", *sys.argv[1:]]), "rows": rows}, f, indent=2)
-    lines = ["| envs N | plain jaxmarl rollout (steps/s) | collect stage via Dask + Zarr (steps/s) | ratio | rollout s | write+commit s | Dask s | store MiB |",
-             "|---:|---:|---:|---:|---:|---:|---:|---:|"]
-    for r in rows:
-        lines.append(f"| {r['n_envs']} | {r['plain_steps_per_s']:,.0f} | {r['pipeline_steps_per_s']:,.0f} | {r['ratio']:.2f} | "
-                     f"{r['pipeline_rollout_s']:.2f} | {r['pipeline_write_s']:.2f} | {r['pipeline_dask_s']:.2f} | {r['pipeline_store_mib']:.0f} |")
-    table = "\n".join(lines)
-    with open(os.path.join(RESULTS, "collect_throughput.md"), "w") as f:
-        f.write(table + "\n")
-    print(table)
-
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = report.save(
+        "collect_throughput", {"rows": rows},
+        ["envs N", "plain jaxmarl rollout (steps/s)", "collect stage via Dask + Zarr (steps/s)", "ratio",
+         "rollout s", "write+commit s", "Dask s", "store MiB"],
+        ["---:"] * 8,
+        [[str(r["n_envs"]), f"{r['plain_steps_per_s']:,.0f}", f"{r['pipeline_steps_per_s']:,.0f}", f"{r['ratio']:.2f}",
+          f"{r['pipeline_rollout_s']:.2f}", f"{r['pipeline_write_s']:.2f}", f"{r['pipeline_dask_s']:.2f}",
+          f"{r['pipeline_store_mib']:.0f}"] for r in rows])
     fig, ax = plt.subplots(figsize=(6, 4))
     ns = [r["n_envs"] for r in rows]
     ax.plot(ns, [r["plain_steps_per_s"] for r in rows], "o-", label="plain jitted jaxmarl rollout")
@@ -147,7 +138,7 @@ def main():
     ax.set_title(f"SMAX 3m collect throughput, T={args.steps}")
     ax.legend()
     fig.tight_layout()
-    fig.savefig(os.path.join(RESULTS, "collect_throughput.png"), dpi=120)
+    fig.savefig(report.figure_path("collect_throughput"), dpi=120)
 
 
 if __name__ == "__main__":

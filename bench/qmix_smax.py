@@ -11,15 +11,16 @@ Writes bench/results/qmix_smax.{json,md,png}.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+import report  # noqa: E402  (bench/report.py)
+
 TARGET = 0.9
 
 # JaxMARL's QMIX with its SMAX reference configuration, in this project's settings:
@@ -88,25 +89,16 @@ def main():
                   os.path.join(args.run_root, "reference"))
         results.append(ref)
 
-    os.makedirs(RESULTS, exist_ok=True)
-    command = " ".join(["python", "bench/qmix_smax.py", *sys.argv[1:]])
-    with open(os.path.join(RESULTS, "qmix_smax.json"), "w") as f:
-        json.dump({"command": command, "target": TARGET, "results": results}, f, indent=2)
-    lines = ["| config | env steps | wall s | env steps/s | first test win >= 0.9 at (steps, wall s) | best test win | final test win |",
-             "|---|---:|---:|---:|---|---:|---:|"]
+    rows = []
     for r in results:
         at = f"{r['steps_to_target']:,} steps, {r['wall_s_to_target']:.0f} s" if r["reached"] else "not reached"
-        lines.append(f"| {r['label']} | {r['env_steps']:,} | {r['wall_s']:.0f} | {r['env_steps_per_s']:,.0f} | {at} | "
-                     f"{r['best_test_win_rate']:.3f} | {r['final_test_win_rate']:.3f} |")
-    table = "\n".join(lines)
-    with open(os.path.join(RESULTS, "qmix_smax.md"), "w") as f:
-        f.write(table + "\n")
-    print(table)
-
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+        rows.append([r["label"], f"{r['env_steps']:,}", f"{r['wall_s']:.0f}", f"{r['env_steps_per_s']:,.0f}", at,
+                     f"{r['best_test_win_rate']:.3f}", f"{r['final_test_win_rate']:.3f}"])
+    plt = report.save(
+        "qmix_smax", {"target": TARGET, "results": results},
+        ["config", "env steps", "wall s", "env steps/s", "first test win >= 0.9 at (steps, wall s)",
+         "best test win", "final test win"],
+        ["---", "---:", "---:", "---:", "---", "---:", "---:"], rows)
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     for r in results:
@@ -123,7 +115,7 @@ def main():
         ax.legend()
     fig.suptitle("QMIX on SMAX 3m through the pipeline")
     fig.tight_layout()
-    fig.savefig(os.path.join(RESULTS, "qmix_smax.png"), dpi=120)
+    fig.savefig(report.figure_path("qmix_smax"), dpi=120)
 
 
 if __name__ == "__main__":

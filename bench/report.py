@@ -1,0 +1,35 @@
+"""What every benchmark leaves under bench/results/: its JSON (with the command that made
+it), a markdown table, and a matplotlib figure (headless)."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+
+
+def save(name: str, payload: dict, header: list[str], align: list[str], rows: list[list[str]]):
+    """Writes <name>.json and <name>.md, prints the table, and returns pyplot for the figure."""
+    os.makedirs(RESULTS, exist_ok=True)
+    command = " ".join(["python", f"bench/{name}.py", *sys.argv[1:]])
+    with open(os.path.join(RESULTS, f"{name}.json"), "w") as f:
+        json.dump({"command": command, **payload}, f, indent=2)
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join(align) + "|"]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    table = "\n".join(lines)
+    with open(os.path.join(RESULTS, f"{name}.md"), "w") as f:
+        f.write(table + "\n")
+    print(table)
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def figure_path(name: str) -> str:
+    return os.path.join(RESULTS, f"{name}.png")
