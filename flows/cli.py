@@ -8,10 +8,15 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import logging
 import math
 import os
 import sys
+
+
+# modules that add subcommands: each has add_commands(subparsers)
+COMMAND_MODULES = ("flows.replay_cli",)
 
 
 def _embedded_defaults():
@@ -96,32 +101,6 @@ def cmd_train(args) -> int:
     return 0
 
 
-def cmd_replay_info(args) -> int:
-    import numpy as np
-
-    from storage import ReplayStore, StoreError, open_replay
-
-    try:
-        store = ReplayStore.open(args.path)
-        ds = open_replay(args.path)
-    except StoreError as e:
-        print(f"marl: {e}", file=sys.stderr)
-        return 2
-    attrs = store.attrs
-    print(f"store:        {os.path.abspath(args.path)}")
-    print(f"schema:       v{attrs.get('schema_version')}  env {attrs.get('env_id')}  algorithm {attrs.get('algorithm')}  seed {attrs.get('seed')}")
-    print(f"committed:    {len(store.committed())} regions ({store.committed_steps()} steps x {store.n_envs} envs), "
-          f"{store.total_regions_committed()} regions written in all, ring of {store.n_slots}")
-    print("dims:         " + ", ".join(f"{k}={v}" for k, v in ds.sizes.items()))
-    for name, var in ds.data_vars.items():
-        print(f"  {name:14s} {str(var.dtype):8s} ({', '.join(var.dims)})")
-    size = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(args.path) for f in fs)
-    print(f"size on disk: {size / 2**20:.1f} MiB")
-    if len(ds.step):
-        print(f"iterations:   {int(np.min(ds.iteration))}..{int(np.max(ds.iteration))}")
-    return 0
-
-
 def cmd_presets(args) -> int:
     from pipelines.config import PRESETS
 
@@ -148,11 +127,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--workers", type=int, default=2, help="local cluster workers (default 2)")
     p.set_defaults(fn=cmd_train)
 
-    p = sub.add_parser("replay", help="inspect replay stores")
-    rsub = p.add_subparsers(dest="replay_command", required=True)
-    info = rsub.add_parser("info", help="schema, env, dims, committed steps, size")
-    info.add_argument("path")
-    info.set_defaults(fn=cmd_replay_info)
+    for module in COMMAND_MODULES:  # each adds its own subcommands
+        importlib.import_module(module).add_commands(sub)
 
     p = sub.add_parser("presets", help="list the training presets")
     p.set_defaults(fn=cmd_presets)
