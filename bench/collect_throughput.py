@@ -45,7 +45,7 @@ def plain_rollout(n_envs: int, n_steps: int, repeats: int, epsilon: float) -> di
             stacked = jnp.stack([obs[a] for a in agents], axis=1)
             avail = jax.vmap(env.get_avail_actions)(state)
             avail = jnp.stack([avail[a] for a in agents], axis=1).astype(bool)
-            actions, hidden = learner.act(params, hidden, stacked, avail, done, act_key,
+            actions, hidden, _ = learner.act(params, hidden, stacked, avail, done, act_key,
                                           {"epsilon": jnp.float32(epsilon)})
             obs, state, reward, dones, _ = jax.vmap(env.step)(
                 jax.random.split(step_key, n_envs), state, {a: actions[:, i] for i, a in enumerate(agents)})

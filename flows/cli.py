@@ -16,7 +16,7 @@ import sys
 
 
 # modules that add subcommands: each has add_commands(subparsers)
-COMMAND_MODULES = ("flows.replay_cli",)
+COMMAND_MODULES = ("flows.replay_cli", "flows.stack", "flows.benchmark_cli")
 
 
 def _embedded_defaults():

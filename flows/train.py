@@ -64,7 +64,7 @@ def marl_train(preset: str = "qmix-smac", env: str | None = None, env_steps: int
                              seed=seed, run_dir=run_dir, overrides=overrides)
     cfg = config.to_dict()
     with clusters.connect(scheduler_address, n_workers=n_workers) as client:
-        where = clusters.placement(client)
+        where = clusters.placement(client, env_backend=stages.env_backend(cfg))
         dashboard = client.dashboard_link
         logger.info("Dask dashboard: %s", dashboard)
         learner = where["learner"]
@@ -111,11 +111,15 @@ def marl_train(preset: str = "qmix-smac", env: str | None = None, env_steps: int
         if not history:  # the run dir's checkpoint is already at the end: just score it
             last_eval = evaluate_task(client, collector_workers[0], cfg, params, start["iteration"])
         params.release()
-    return {"run_dir": config.run_dir, "store": config.store_path,
-            "checkpoint_dir": config.checkpoint_dir, "iterations": len(history),
-            "resumed_from": start["iteration"], "env_steps": env_steps_done, "history": history,
-            "final_eval": last_eval, "wall_s": time.perf_counter() - began,
-            "dashboard": dashboard}
+    result = {"run_dir": config.run_dir, "store": config.store_path,
+              "checkpoint_dir": config.checkpoint_dir, "iterations": len(history),
+              "resumed_from": start["iteration"], "env_steps": env_steps_done, "history": history,
+              "final_eval": last_eval, "wall_s": time.perf_counter() - began,
+              "dashboard": dashboard}
+    from flows.artifacts import publish_run_artifacts  # matplotlib only once a run ends
+
+    result["learning_curve"] = publish_run_artifacts(result, config)["learning_curve"]
+    return result
 
 
 def _mean(values) -> float:

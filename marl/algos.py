@@ -8,7 +8,12 @@ import typing
 from marl import qmix
 from marl.envs import EnvSpec
 
-ALGORITHMS = {"qmix": qmix}
+# name -> (module with Config and make_learner, that Config's defaults for this name)
+ALGORITHMS = {
+    "qmix": (qmix, {}),
+    "vdn": (qmix, {"mixer": "vdn"}),
+    "iql": (qmix, {"mixer": "none"}),
+}
 
 
 class ConfigError(ValueError):
@@ -17,13 +22,14 @@ class ConfigError(ValueError):
 
 def config_for(algo: str, overrides: dict | None = None):
     module = module_for(algo)
-    return apply_overrides(module.Config(), overrides or {}, where=algo)
+    defaults = dataclasses.replace(module.Config(), **ALGORITHMS[algo][1])
+    return apply_overrides(defaults, overrides or {}, where=algo)
 
 
 def module_for(algo: str):
     if algo not in ALGORITHMS:
         raise ConfigError(f"unknown algorithm {algo!r}; valid: {', '.join(sorted(ALGORITHMS))}")
-    return ALGORITHMS[algo]
+    return ALGORITHMS[algo][0]
 
 
 def make_learner(algo: str, spec: EnvSpec, config):

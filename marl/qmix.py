@@ -1,7 +1,13 @@
-"""QMIX (Rashid et al., 2018): recurrent per-agent Q-networks mixed monotonically by a
-hypernetwork conditioned on the global state. Reads top to bottom:
+"""QMIX (Rashid et al., 2018) and its relatives VDN (Sunehag et al., 2018) and IQL: recurrent
+per-agent Q-networks whose values are combined by a mixer, the one difference between them:
 
-    config -> agent network -> mixer -> acting (epsilon-greedy, masked) -> loss -> update
+    qmix  a monotonic hypernetwork mixer conditioned on the global state
+    vdn   Q_tot = sum of the agents' Q
+    iql   no mixer: each agent learns its own Q on the team reward (independent learners)
+
+Reads top to bottom:
+
+    config -> agent network -> mixers -> acting (epsilon-greedy, masked) -> loss -> update
 
 Agents share parameters and see their one-hot id. Targets are double-Q (online argmax,
 target evaluation) through a target mixer; the target networks are copied every
@@ -26,6 +32,7 @@ from marl.learner import Learner
 
 @dataclasses.dataclass(frozen=True)
 class Config:
+    mixer: str = "qmix"  # "qmix", "vdn" or "none" (IQL)
     hidden: int = 64  # agent GRU width
     mixer_embed: int = 32
     hypernet_embed: int = 64
@@ -78,6 +85,25 @@ class Mixer(nn.Module):
         return jnp.sum(h * w2, axis=-1) + v
 
 
+class SumMixer(nn.Module):
+    """VDN: Q_tot = sum_i Q_i."""
+
+    @nn.compact
+    def __call__(self, q, state):
+        return q.sum(axis=-1)
+
+
+class NoMixer(nn.Module):
+    """IQL: every agent's own Q is a target of its own (the trailing axis stays agents)."""
+
+    @nn.compact
+    def __call__(self, q, state):
+        return q
+
+
+MIXERS = {"qmix": None, "vdn": SumMixer, "none": NoMixer}
+
+
 def with_agent_ids(obs):
     """Append each agent's one-hot id so one shared network can tell agents apart."""
     n_agents = obs.shape[-2]
@@ -103,8 +129,11 @@ def make_learner(spec: EnvSpec, config: Config):
     if not spec.discrete:
         raise ValueError(f"QMIX needs discrete actions and {spec.env_id} has continuous ones; "
                          "use a discrete env or an actor-critic preset")
+    if config.mixer not in MIXERS:
+        raise ValueError(f"unknown mixer {config.mixer!r}; valid: {', '.join(MIXERS)}")
     agent = AgentRNN(config.hidden, spec.n_actions)
-    mixer = Mixer(config.mixer_embed, config.hypernet_embed)
+    mixer = (Mixer(config.mixer_embed, config.hypernet_embed) if config.mixer == "qmix"
+             else MIXERS[config.mixer]())
     optimizer = optax.chain(optax.clip_by_global_norm(config.max_grad_norm),
                             optax.adam(config.lr))
     n_agents = spec.n_agents
@@ -133,7 +162,7 @@ def make_learner(spec: EnvSpec, config: Config):
         k_rand, k_explore = jax.random.split(key)
         random = jax.random.categorical(k_rand, jnp.where(avail, 0.0, -jnp.inf))
         explore_mask = jax.random.uniform(k_explore, greedy.shape) < explore["epsilon"]
-        return jnp.where(explore_mask, random, greedy).astype(jnp.int32), carry
+        return jnp.where(explore_mask, random, greedy).astype(jnp.int32), carry, {}
 
     def policy_params(train_state):
         return train_state["params"]["agent"]
@@ -158,8 +187,9 @@ def make_learner(spec: EnvSpec, config: Config):
         _, q = jax.lax.scan(step, init_carry(batch), (x, r))
         return jnp.swapaxes(q, 0, 1)
 
-    def loss_fn(params, target_params, batch):
-        done = batch["done"]
+    def td_terms(params, target_params, batch):
+        """Q-values and TD targets along windows [B, L]: the loss and reanalysis share it."""
+        done = batch["done"].astype(jnp.float32)
         # memory restarts after each episode end inside the window (and at its start)
         reset = jnp.concatenate([jnp.ones_like(done[:, :1]), done[:, :-1]], axis=1)
         q = unroll(params["agent"], batch["obs"], reset)
@@ -169,13 +199,37 @@ def make_learner(spec: EnvSpec, config: Config):
         # double Q: the online net picks the next action, the target net scores it
         next_action = jnp.argmax(jnp.where(avail, q, -jnp.inf), axis=-1)[:, 1:]
         next_q = jnp.take_along_axis(q_target[:, 1:], next_action[..., None], axis=-1)[..., 0]
-        q_tot = mixer.apply(params["mixer"], chosen[:, :-1], batch["state"][:, :-1])
+        q_tot = mixer.apply(params["mixer"], chosen, batch["state"])  # [B, L] (IQL: [B, L, agent])
         next_q_tot = mixer.apply(target_params["mixer"], next_q, batch["state"][:, 1:])
         reward = batch["reward"][:, :-1].mean(axis=-1)
-        target = lambda_returns(reward, done[:, :-1], next_q_tot, config.gamma, config.td_lambda)
-        td = q_tot - jax.lax.stop_gradient(target)
+        returns = lambda v: lambda_returns(reward, done[:, :-1], v, config.gamma, config.td_lambda)
+        # IQL: one target per agent, all on the team reward
+        target = returns(next_q_tot) if next_q_tot.ndim == 2 else jax.vmap(returns, -1, -1)(next_q_tot)
+        td = q_tot[:, :-1] - jax.lax.stop_gradient(target)
+        return {"q": q, "chosen": chosen, "q_tot": q_tot, "td": td}
+
+    def loss_fn(params, target_params, batch):
+        terms = td_terms(params, target_params, batch)
+        td = terms["td"]
         loss = jnp.mean(td**2)
-        return loss, {"loss": loss, "q_tot": q_tot.mean(), "td_abs": jnp.abs(td).mean()}
+        return loss, {"loss": loss, "q_tot": terms["q_tot"].mean(), "td_abs": jnp.abs(td).mean()}
+
+    @jax.jit
+    def score_arrays(train_state, batch):
+        terms = td_terms(train_state["params"], train_state["target_params"], batch)
+        pad = lambda x: jnp.concatenate([x, jnp.full_like(x[:, :1], jnp.nan)], axis=1)
+        q_max = jnp.max(jnp.where(batch["avail_actions"], terms["q"], -jnp.inf), axis=-1)
+        return {"q_taken": terms["chosen"], "q_max": q_max, "q_tot": terms["q_tot"],
+                "td_error": pad(terms["td"])}
+
+    def score(train_state, batch):
+        """Per-step Q-values and TD errors of stored windows (the last step has no target),
+        each with its dims after (step, env)."""
+        out = score_arrays(train_state, batch)
+        iql = config.mixer == "none"
+        dims = {"q_taken": ("agent",), "q_max": ("agent",),
+                "q_tot": ("agent",) if iql else (), "td_error": ("agent",) if iql else ()}
+        return {k: (v, dims[k]) for k, v in out.items()}
 
     # ------------------------------------------------------------------------ update
 
@@ -199,7 +253,6 @@ def make_learner(spec: EnvSpec, config: Config):
         def body(state, _):
             key, sample_key = jax.random.split(state["key"])
             batch = buffer.sample_windows(sample_key, arrays, valid, config.batch_size, config.seq_len)
-            batch = {**batch, "done": batch["done"].astype(jnp.float32)}
             state, metrics = update({**state, "key": key}, batch)
             return state, metrics
 
@@ -207,8 +260,8 @@ def make_learner(spec: EnvSpec, config: Config):
         return train_state, jax.tree.map(jnp.mean, metrics)
 
     return Learner(
-        name="qmix", config=config, spec=spec, init=jax.jit(init), act=act,
+        name={"qmix": "qmix", "vdn": "vdn", "none": "iql"}[config.mixer], config=config, spec=spec, init=jax.jit(init), act=act,
         init_carry=init_carry, policy_params=policy_params, exploration=exploration,
         greedy=greedy, update=jax.jit(update),
         train=jax.jit(train, static_argnums=3),
-        loss_fn=loss_fn, agent=agent, mixer=mixer)
+        score=score, loss_fn=loss_fn, agent=agent, mixer=mixer)

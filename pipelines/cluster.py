@@ -20,6 +20,8 @@ import dask
 from distributed import Client, LocalCluster
 
 HOST = "127.0.0.1"
+# a running scheduler that connect() uses when given no address (set by `marl stack up`)
+SCHEDULER_ENV = "MARL_DASK_SCHEDULER"
 
 
 def gpu_count() -> int:
@@ -93,7 +95,9 @@ def make_cluster(n_workers: int = 2, kind: str = "auto", dashboard_address: str 
 
 @contextlib.contextmanager
 def connect(address: str | None = None, **cluster_kwargs):
-    """Yields a Client: to the scheduler at `address`, or to a new local cluster closed after."""
+    """Yields a Client: to the scheduler at `address` (default: $MARL_DASK_SCHEDULER, which
+    `marl stack up` sets for its flow runs), or to a new local cluster closed after."""
+    address = address or os.environ.get(SCHEDULER_ENV) or None
     if address:
         with Client(address) as client:
             yield client
@@ -102,14 +106,22 @@ def connect(address: str | None = None, **cluster_kwargs):
         yield client
 
 
-def placement(client: Client) -> dict:
-    """Which workers run what: the learner on one worker, collectors spread over the rest.
+def placement(client: Client, env_backend: str = "jax") -> dict:
+    """Which workers run what: the learner on a GPU worker where there is one; JAX-env
+    collectors on GPU workers too, numpy (PettingZoo) collectors on CPU workers only.
 
     Returns {"learner": addr, "collectors": [addr, ...], "gpu": bool}.
     """
     info = client.scheduler_info()["workers"]
     if not info:
         raise RuntimeError("the Dask cluster has no workers; start some or use a local cluster")
-    gpu_workers = sorted(a for a, w in info.items() if w.get("resources", {}).get("gpu"))
-    workers = gpu_workers or sorted(info)
-    return {"learner": workers[0], "collectors": workers, "gpu": bool(gpu_workers)}
+    resources = {a: w.get("resources", {}) for a, w in info.items()}
+    gpu_workers = sorted(a for a, r in resources.items() if r.get("gpu"))
+    cpu_workers = sorted(a for a, r in resources.items() if not r.get("gpu"))
+    learner_pool = gpu_workers or sorted(info)
+    if env_backend == "numpy":
+        # numpy envs step in Python on a CPU; a GPU worker would idle its device meanwhile
+        collectors = cpu_workers or sorted(info)
+    else:
+        collectors = learner_pool
+    return {"learner": learner_pool[0], "collectors": collectors, "gpu": bool(gpu_workers)}

@@ -35,29 +35,35 @@ def as_config(config) -> RunConfig:
 # ------------------------------------------------------------------------ the store
 
 
-def replay_fields(spec: envs.EnvSpec) -> dict[str, Field]:
-    """The replay schema of DESIGN.md for one env spec."""
+def replay_fields(spec: envs.EnvSpec, learner=None) -> dict[str, Field]:
+    """The replay schema of DESIGN.md for one env spec, plus what the learner's policy
+    records beside each transition (its `extra_fields`, e.g. a behaviour log-probability)."""
     a, agent = spec.n_agents, ("agent",)
     action = (Field((a,), "int32", agent) if spec.discrete
               else Field((a, spec.action_dim), "float32", ("agent", "act_dim")))
-    return {
+    fields = {
         "obs": Field((a, spec.obs_dim), "float32", ("agent", "obs_dim")),
         "state": Field((spec.state_dim,), "float32", ("state_dim",)),
         "action": action,
         "reward": Field((a,), "float32", agent),
         "done": Field((), "bool", ()),
+        "won": Field((), "bool", ()),
         "avail_actions": Field((a, spec.mask_width), "bool", ("agent", "n_actions")),
     }
+    for name, (shape, dtype, dims) in (learner.extra_fields if learner else {}).items():
+        fields[name] = Field(tuple(shape), dtype, tuple(dims))
+    return fields
 
 
-def open_store(config: RunConfig, spec: envs.EnvSpec, create: bool = False) -> ReplayStore:
+def open_store(config: RunConfig, spec: envs.EnvSpec, create: bool = False,
+               learner=None) -> ReplayStore:
     if not create:
         return ReplayStore.open(config.store_path, mode="r+")
     attrs = {"env_id": config.env_id, "env_spec": spec.to_dict(), "algorithm": config.algo,
              "seed": config.seed, "config": config.to_dict(), "preset": config.preset}
     os.makedirs(config.run_dir, exist_ok=True)
     return ReplayStore.open_or_create(
-        config.store_path, fields=replay_fields(spec), n_envs=config.envs_per_collector,
+        config.store_path, fields=replay_fields(spec, learner), n_envs=config.envs_per_collector,
         steps_per_region=config.steps_per_region, n_slots=config.n_slots, attrs=attrs)
 
 
@@ -69,11 +75,8 @@ def prepare_run(config) -> dict:
     """
     config = as_config(config)
     env = envs.make(config.env_id, **config.env_kwargs)
-    if env.spec.backend != "jax":
-        raise ValueError(f"{config.env_id} steps in numpy and {config.algo} collects with jitted "
-                         "JAX rollouts; use an smax: or mpe: env for this preset")
-    algos.make_learner(config.algo, env.spec, config.algo_config())
-    open_store(config, env.spec, create=True)
+    learner = algos.make_learner(config.algo, env.spec, config.algo_config())
+    open_store(config, env.spec, create=True, learner=learner)
     checkpoints = Checkpointer(config.checkpoint_dir)
     try:
         if checkpoints.latest_step() is None:
@@ -95,6 +98,12 @@ def _context(kind: str, config: RunConfig, *extra):
             ctx = {"config_json": config.to_json(), "env": env, "learner": learner}
             _CACHE[key] = ctx
         return ctx
+
+
+def env_backend(config) -> str:
+    """"jax" or "numpy": where the run's collectors may go (numpy envs: CPU workers only)."""
+    config = as_config(config)
+    return "numpy" if config.env_id.startswith("pz:") else "jax"
 
 
 def clear_caches():
@@ -124,8 +133,9 @@ def collect(config, collector: int, iteration: int, params, param_version: int,
     ctx = _context("collect", config, collector)
     env, learner = ctx["env"], ctx["learner"]
     if "collect" not in ctx:
-        ctx["init"], ctx["collect"] = rollout.make_collector(
-            env, learner.act, learner.init_carry, config.envs_per_collector, config.steps_per_region)
+        make = rollout.make_collector if env.spec.backend == "jax" else rollout.make_numpy_collector
+        ctx["init"], ctx["collect"] = make(env, learner.act, learner.init_carry,
+                                           config.envs_per_collector, config.steps_per_region)
     if "rollout_state" not in ctx:
         key = jax.random.fold_in(jax.random.fold_in(jax.random.PRNGKey(config.seed), collector), iteration)
         ctx["rollout_state"] = ctx["init"](key)
@@ -176,8 +186,10 @@ def _learner_state(config: RunConfig, ctx: dict) -> dict:
         fresh = jax.tree.map(jnp.asarray, state)
         ctx["meta"] = meta
     ctx["train_state"] = fresh
-    fields = {name: (f.shape, f.dtype) for name, f in replay_fields(spec).items()}
-    ctx["arrays"], ctx["valid"] = buffer.empty(fields, config.n_slots, config.steps_per_region,
+    fields = {name: (f.shape, f.dtype) for name, f in replay_fields(spec, learner).items()}
+    # an on-policy learner's mirror holds just one iteration's regions
+    n_slots = config.n_collectors if learner.on_policy else config.n_slots
+    ctx["arrays"], ctx["valid"] = buffer.empty(fields, n_slots, config.steps_per_region,
                                                config.envs_per_collector)
     ctx["mirrored"] = {}  # slot -> region id held in the device mirror
     ctx["store"] = open_store(config, spec)
@@ -226,6 +238,8 @@ def train(config, iteration: int, env_steps: int, checkpoint: bool = False) -> d
     ctx = _learner_state(config, ctx)
     learner = ctx["learner"]
     started = time.perf_counter()
+    if learner.on_policy:
+        return _train_on_policy(config, ctx, iteration, env_steps, checkpoint, started)
     _sync_mirror(ctx, [iteration * config.n_collectors + c for c in range(config.n_collectors)])
     stored_env_steps = len(ctx["mirrored"]) * config.steps_per_region * config.envs_per_collector
     metrics = {}
@@ -236,6 +250,25 @@ def train(config, iteration: int, env_steps: int, checkpoint: bool = False) -> d
     if n_updates and stored_env_steps >= learner.config.learning_starts:
         ctx["train_state"], m = learner.train(ctx["train_state"], ctx["arrays"], ctx["valid"], n_updates)
         metrics = _scalars(m)
+    return _finish_train(ctx, iteration, env_steps, checkpoint, metrics, n_updates, started)
+
+
+def _train_on_policy(config: RunConfig, ctx: dict, iteration: int, env_steps: int,
+                     checkpoint: bool, started: float) -> dict:
+    """Reads exactly the regions this iteration's collect tasks wrote and trains on them once."""
+    store, learner = ctx["store"], ctx["learner"]
+    for c in range(config.n_collectors):
+        region = store.read_region(iteration * config.n_collectors + c)
+        ctx["arrays"], ctx["valid"] = buffer.insert(ctx["arrays"], ctx["valid"], c, region)
+    ctx["train_state"], m = learner.train(ctx["train_state"], ctx["arrays"], ctx["valid"],
+                                          config.n_collectors)
+    return _finish_train(ctx, iteration, env_steps, checkpoint, _scalars(m),
+                         int(config.n_collectors), started)
+
+
+def _finish_train(ctx: dict, iteration: int, env_steps: int, checkpoint: bool, metrics: dict,
+                  n_updates: int, started: float) -> dict:
+    learner = ctx["learner"]
     version = iteration + 1
     ctx["meta"] = {"iteration": iteration + 1, "env_steps": int(env_steps), "param_version": version,
                    "updates": int(ctx["train_state"]["updates"])}
@@ -262,8 +295,9 @@ def evaluate(config, params, iteration: int) -> dict:
     config = as_config(config)
     ctx = _context("evaluate", config)
     if "evaluate" not in ctx:
-        learner = ctx["learner"]
-        ctx["evaluate"] = rollout.make_evaluator(ctx["env"], learner.act, learner.init_carry,
-                                                 config.eval_episodes, learner.greedy)
+        learner, env = ctx["learner"], ctx["env"]
+        make = rollout.make_evaluator if env.spec.backend == "jax" else rollout.make_numpy_evaluator
+        ctx["evaluate"] = make(env, learner.act, learner.init_carry, config.eval_episodes,
+                               learner.greedy)
     key = jax.random.fold_in(jax.random.PRNGKey(config.seed + 10_000), iteration)
     return _scalars(ctx["evaluate"](params, key))

@@ -1,0 +1,63 @@
+"""`marl benchmark`: run the benchmark suites on the embedded default (Prefect without a server)."""
+
+from __future__ import annotations
+
+import os
+
+
+def cmd_benchmark(args) -> int:
+    from flows.cli import _embedded_defaults
+
+    _embedded_defaults()  # before prefect is imported
+    from rich.console import Console
+    from rich.table import Table
+
+    from flows import benchmark
+    from marl.algos import ConfigError
+
+    console = Console()
+    names = [n for item in args.suites or [] for n in item.split(",") if n] or None
+    if args.list:
+        for s in benchmark.SUITES.values():
+            print(f"{s.name:16s} {s.preset:16s} {s.env_id:14s} {s.metric:14s} "
+                  f"{s.env_steps:>10,} env steps{'' if s.nightly else '  (not nightly)'}")
+        return 0
+    try:  # fail fast, before any cluster or server starts
+        benchmark.select_suites(names)
+    except ConfigError as e:
+        console.print(f"[red]marl: {e}[/red]")
+        return 2
+    try:
+        out = benchmark.marl_benchmark(suites=names, env_steps=args.env_steps, max_wall_s=args.max_wall_s,
+                                       results_dir=args.results_dir, scheduler_address=args.scheduler,
+                                       n_workers=args.workers)
+    except (ConfigError, RuntimeError, ValueError) as e:
+        console.print(f"[red]marl: {e}[/red]")
+        return 1
+    table = Table(title="marl-benchmark")
+    for col in ("suite", "metric", "env steps", "previous", "score", "delta", "wall s", "status"):
+        table.add_column(col, justify="right")
+    fmt = lambda v, spec=".3f": "" if v is None else format(v, spec)
+    for row, c in zip(out["rows"], out["comparisons"]):
+        style = {"OK": "green", "NEW": "cyan"}.get(c["status"], "red")
+        table.add_row(c["suite"], c["metric"], f"{row.get('env_steps') or 0:,}", fmt(c["previous"]),
+                      fmt(c["current"]), fmt(c["delta"], "+.3f"), fmt(c["wall_s"], ".0f"),
+                      f"[{style}]{c['status']}[/{style}] {c['reasons']}")
+    console.print(table)
+    console.print(f"results: {out['results']}")
+    console.print(f"trends:  {out['trends']}")
+    return 0
+
+
+def add_commands(sub):
+    p = sub.add_parser("benchmark", help="run the benchmark suites, append to the results table, flag regressions")
+    p.add_argument("--suites", nargs="+", metavar="SUITE",
+                   help="suite entries to run, e.g. qmix-3m (default: every nightly entry; see --list)")
+    p.add_argument("--env-steps", type=int, help="env steps per suite entry (default: each entry's budget)")
+    p.add_argument("--max-wall-s", type=float, help="stop each entry's training after this many seconds")
+    p.add_argument("--results-dir", default="runs/benchmarks",
+                   help="results.csv, trends.png and the run dirs live here (default runs/benchmarks)")
+    p.add_argument("--scheduler", help="address of a running Dask scheduler (default: a new local cluster per entry)")
+    p.add_argument("--workers", type=int, default=2, help="local cluster workers (default 2)")
+    p.add_argument("--list", action="store_true", help="list the suite entries and exit")
+    p.set_defaults(fn=cmd_benchmark)
