@@ -34,7 +34,9 @@ REFERENCE = {
 }
 
 
-def run(label: str, env_steps: int, overrides: dict, run_dir: str) -> dict:
+def run(label: str, env_steps: int, overrides: dict, run_dir: str, preset: str = "qmix-smac",
+        env: str | None = None) -> dict:
+    """One `marl-train` flow run of `preset`; its evaluations and when it first reached 0.9."""
     from flows import train as train_flow
 
     shutil.rmtree(run_dir, ignore_errors=True)
@@ -48,7 +50,7 @@ def run(label: str, env_steps: int, overrides: dict, run_dir: str) -> dict:
 
     train_flow.ITERATION_HOOKS.append(record)
     try:
-        result = train_flow.marl_train(preset="qmix-smac", env_steps=env_steps, run_dir=run_dir,
+        result = train_flow.marl_train(preset=preset, env=env, env_steps=env_steps, run_dir=run_dir,
                                        overrides={"eval_episodes": "128", **overrides})
     finally:
         train_flow.ITERATION_HOOKS.remove(record)

@@ -2,6 +2,7 @@
 
     marl train qmix-smac [--env-steps N] [--collectors K] [--run-dir D] [--set key=value ...]
     marl replay info PATH
+    marl stack up|down|status [--home DIR]
     marl presets
 """
 
@@ -53,6 +54,8 @@ def cmd_train(args) -> int:
 
     console = Console()
     overrides = _parse_sets(args.set or [])
+    if args.seeds:
+        overrides["n_seeds"] = str(args.seeds)
     try:  # fail fast, before any cluster or server starts
         config = make_run_config(args.preset, env_id=args.env, total_env_steps=args.env_steps,
                                  n_collectors=args.collectors, seed=args.seed,
@@ -86,7 +89,7 @@ def cmd_train(args) -> int:
         try:
             result = train_flow.marl_train(
                 preset=args.preset, env=args.env, env_steps=args.env_steps, collectors=args.collectors,
-                seed=args.seed, run_dir=args.run_dir, overrides=overrides,
+                seed=args.seed, seeds=args.seeds, run_dir=args.run_dir, overrides=overrides,
                 scheduler_address=args.scheduler, n_workers=args.workers)
         except (ConfigError, EnvError, StoreError, ValueError) as e:
             console.print(f"[red]marl: {e}[/red]")
@@ -105,7 +108,7 @@ def cmd_presets(args) -> int:
     from pipelines.config import PRESETS
 
     for name, p in sorted(PRESETS.items()):
-        print(f"{name:18s} {p['algo']:6s} {p['env_id']:12s} {p['total_env_steps']:>10,} env steps")
+        print(f"{name:18s} {p['algo']:7s} {p['env_id']:28s} {p['total_env_steps']:>10,} env steps")
     return 0
 
 
@@ -119,6 +122,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--env-steps", type=int, help="total env steps (default: the preset's)")
     p.add_argument("--collectors", type=int, help="parallel collect tasks per iteration")
     p.add_argument("--seed", type=int)
+    p.add_argument("--seeds", type=int, help="train this many independent seeds in one learner (vmap); "
+                   "evaluations report their mean and standard deviation")
     p.add_argument("--run-dir", help="where the replay store and checkpoints live (default runs/PRESET); "
                    "an existing run dir resumes")
     p.add_argument("--set", action="append", metavar="KEY=VALUE",

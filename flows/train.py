@@ -55,11 +55,12 @@ def prepare_task(client, worker: str, config: dict) -> dict:
 
 @flow(name="marl-train", log_prints=True)
 def marl_train(preset: str = "qmix-smac", env: str | None = None, env_steps: int | None = None,
-               collectors: int | None = None, seed: int | None = None,
+               collectors: int | None = None, seed: int | None = None, seeds: int | None = None,
                run_dir: str | None = None, overrides: dict[str, str] | None = None,
                scheduler_address: str | None = None, n_workers: int = 2) -> dict:
     """Train `preset` (e.g. qmix-smac); resumes from the latest checkpoint in `run_dir`."""
     logger = get_run_logger()
+    overrides = {**(overrides or {}), **({"n_seeds": seeds} if seeds else {})}
     config = make_run_config(preset, env_id=env, total_env_steps=env_steps, n_collectors=collectors,
                              seed=seed, run_dir=run_dir, overrides=overrides)
     cfg = config.to_dict()
@@ -100,6 +101,9 @@ def marl_train(preset: str = "qmix-smac", env: str | None = None, env_steps: int
             if last or (iteration + 1) % config.eval_every == 0:
                 last_eval = evaluate_task(client, collector_workers[0], cfg, params, iteration)
                 row.update(test_win_rate=last_eval["win_rate"], test_return=last_eval["return_mean"])
+                if config.n_seeds > 1:  # the spread across seeds
+                    row.update(test_win_rate_std=last_eval["win_rate_std"],
+                               test_return_std=last_eval["return_mean_std"])
             history.append(row)
             logger.info(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
                                  for k, v in row.items()))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import typing
 
-from marl import qmix
+from marl import maddpg, mappo, qmix
 from marl.envs import EnvSpec
 
 # name -> (module with Config and make_learner, that Config's defaults for this name)
@@ -13,6 +13,9 @@ ALGORITHMS = {
     "qmix": (qmix, {}),
     "vdn": (qmix, {"mixer": "vdn"}),
     "iql": (qmix, {"mixer": "none"}),
+    "mappo": (mappo, {"critic": "central"}),
+    "ippo": (mappo, {"critic": "local"}),
+    "maddpg": (maddpg, {}),
 }
 
 

@@ -30,6 +30,9 @@ class RunConfig:
     eval_episodes: int = 128
     checkpoint_every: int = 20  # iterations between checkpoints (and at the end)
     seed: int = 0
+    # independent seeds trained side by side (vmap): seed s gets envs [s*N, (s+1)*N) of
+    # every region, and env steps count per seed
+    n_seeds: int = 1
     max_wall_s: float = 0.0  # stop iterating after this many seconds (0: no limit)
     # fault injection, to exercise retries: collect tasks of these region ids ("3,5") raise
     # once, right after their region is committed
@@ -40,6 +43,10 @@ class RunConfig:
     @property
     def steps_per_iteration(self) -> int:
         return self.n_collectors * self.envs_per_collector * self.steps_per_region
+
+    @property
+    def envs_per_region(self) -> int:
+        return self.envs_per_collector * self.n_seeds
 
     @property
     def n_iterations(self) -> int:
@@ -80,6 +87,21 @@ PRESETS: dict[str, dict] = {
         algo_overrides=dict(updates_per_region=32, seq_len=16, eps_end=0.01, eps_decay_steps=50_000,
                             td_lambda=0.6),
     ),
+    # QMIX's relatives on the same settings: only the mixer differs
+    "vdn-smax": dict(
+        algo="vdn", env_id="smax:3m", total_env_steps=2_500_000, n_collectors=1,
+        envs_per_collector=32, steps_per_region=32, buffer_steps=65_536,
+        eval_every=10, checkpoint_every=20,
+        algo_overrides=dict(updates_per_region=32, seq_len=16, eps_end=0.01, eps_decay_steps=50_000,
+                            td_lambda=0.6),
+    ),
+    "iql-smax": dict(
+        algo="iql", env_id="smax:3m", total_env_steps=2_500_000, n_collectors=1,
+        envs_per_collector=32, steps_per_region=32, buffer_steps=65_536,
+        eval_every=10, checkpoint_every=20,
+        algo_overrides=dict(updates_per_region=32, seq_len=16, eps_end=0.01, eps_decay_steps=50_000,
+                            td_lambda=0.6),
+    ),
     # a few thousand steps end to end, for tests and smoke runs
     "qmix-smac-tiny": dict(
         algo="qmix", env_id="smax:3m", total_env_steps=4_096, n_collectors=2,
@@ -88,6 +110,64 @@ PRESETS: dict[str, dict] = {
         algo_overrides=dict(hidden=16, mixer_embed=8, hypernet_embed=16, batch_size=8,
                             seq_len=8, updates_per_region=2, learning_starts=256,
                             eps_decay_steps=2_000),
+    ),
+    # MAPPO/IPPO (marl/mappo.py): one PPO update (epochs x minibatches over envs) per
+    # collect of N envs x T steps, JaxMARL's MAPPO-MPE shape (128 x 128, 2M steps, lr 2e-3
+    # annealed over the run); BENCHMARKS.md compares it with a single-process reference
+    "mappo-mpe": dict(
+        algo="mappo", env_id="mpe:simple_spread", total_env_steps=2_000_000, n_collectors=1,
+        envs_per_collector=128, steps_per_region=128, buffer_steps=1_024,
+        eval_every=10, checkpoint_every=20,
+        algo_overrides=dict(hidden=128, lr=2e-3, anneal_lr_iterations=123, epochs=4,
+                            minibatches=4, clip_eps=0.2, ent_coef=0.01, max_grad_norm=0.5),
+    ),
+    "ippo-mpe": dict(
+        algo="ippo", env_id="mpe:simple_spread", total_env_steps=2_000_000, n_collectors=1,
+        envs_per_collector=128, steps_per_region=128, buffer_steps=1_024,
+        eval_every=10, checkpoint_every=20,
+        algo_overrides=dict(hidden=128, lr=2e-3, anneal_lr_iterations=123, epochs=4,
+                            minibatches=4, clip_eps=0.2, ent_coef=0.01, max_grad_norm=0.5),
+    ),
+    "mappo-smax": dict(
+        algo="mappo", env_id="smax:3m", total_env_steps=3_000_000, n_collectors=1,
+        envs_per_collector=64, steps_per_region=128, buffer_steps=1_024,
+        eval_every=10, checkpoint_every=20,
+        algo_overrides=dict(hidden=128, activation="relu", lr=1e-3, epochs=4, minibatches=4,
+                            clip_eps=0.2, ent_coef=0.01, max_grad_norm=0.5),
+    ),
+    # PettingZoo's simple_spread stepped in numpy on CPU workers, same learner as mappo-mpe
+    "mappo-pz-spread": dict(
+        algo="mappo", env_id="pz:mpe2.simple_spread_v3", total_env_steps=500_000, n_collectors=2,
+        envs_per_collector=32, steps_per_region=128, buffer_steps=1_024,
+        eval_every=10, eval_episodes=32, checkpoint_every=20,
+        algo_overrides=dict(hidden=128, lr=2e-3, epochs=4, minibatches=4, clip_eps=0.2,
+                            ent_coef=0.01, max_grad_norm=0.5),
+    ),
+    # a few thousand steps end to end, for tests and smoke runs
+    "mappo-mpe-tiny": dict(
+        algo="mappo", env_id="mpe:simple_spread", total_env_steps=1_024, n_collectors=2,
+        envs_per_collector=8, steps_per_region=16, buffer_steps=64,
+        eval_every=2, eval_episodes=8, checkpoint_every=2,
+        algo_overrides=dict(hidden=16, epochs=2, minibatches=2),
+    ),
+    # MADDPG (marl/maddpg.py) on continuous-action simple spread, PARL's MADDPG MPE setup:
+    # lr 1e-2, gamma 0.95, tau 0.01, batch 1024, 64-unit MLPs, ~1e5-transition replay,
+    # learning after 25.6k steps, one update per 100 env steps (32 per 64 x 50 region).
+    # max_steps=24: jaxmarl's episodes run max_steps + 1 steps, so these are PARL's 25
+    "maddpg-mpe": dict(
+        algo="maddpg", env_id="mpe:simple_spread",
+        env_kwargs={"action_type": "Continuous", "max_steps": 24}, total_env_steps=2_500_000,
+        envs_per_collector=64, steps_per_region=50, buffer_steps=1_600,
+        eval_every=10, eval_episodes=128, checkpoint_every=20,
+        algo_overrides=dict(updates_per_region=32, learning_starts=25_600),
+    ),
+    # a few thousand steps end to end, for tests and smoke runs
+    "maddpg-mpe-tiny": dict(
+        algo="maddpg", env_id="mpe:simple_spread",
+        env_kwargs={"action_type": "Continuous", "max_steps": 24}, total_env_steps=1_600,
+        n_collectors=2, envs_per_collector=8, steps_per_region=25, buffer_steps=200,
+        eval_every=2, eval_episodes=8, checkpoint_every=2,
+        algo_overrides=dict(hidden=16, batch_size=64, updates_per_region=2, learning_starts=200),
     ),
 }
 
@@ -129,7 +209,7 @@ def make_run_config(preset: str, *, env_id: str | None = None, total_env_steps: 
         else:
             run_values[key] = algos.coerce(value, kind, key)
     config = RunConfig(preset=preset, algo_overrides=algo_overrides, **run_values)
-    for key in ("total_env_steps", "n_collectors", "envs_per_collector", "steps_per_region",
+    for key in ("total_env_steps", "n_collectors", "envs_per_collector", "steps_per_region", "n_seeds",
                 "buffer_steps", "eval_every", "eval_episodes", "checkpoint_every"):
         if getattr(config, key) < 1:
             raise ConfigError(f"setting {key}={getattr(config, key)} must be >= 1")

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from marl import algos, buffer, envs, rollout
+from marl import algos, buffer, envs, rollout, seeds
 from pipelines.config import RunConfig
 from storage import Checkpointer, Field, ReplayStore, StoreError
 
@@ -60,10 +60,11 @@ def open_store(config: RunConfig, spec: envs.EnvSpec, create: bool = False,
     if not create:
         return ReplayStore.open(config.store_path, mode="r+")
     attrs = {"env_id": config.env_id, "env_spec": spec.to_dict(), "algorithm": config.algo,
-             "seed": config.seed, "config": config.to_dict(), "preset": config.preset}
+             "seed": config.seed, "n_seeds": config.n_seeds, "config": config.to_dict(),
+             "preset": config.preset}
     os.makedirs(config.run_dir, exist_ok=True)
     return ReplayStore.open_or_create(
-        config.store_path, fields=replay_fields(spec, learner), n_envs=config.envs_per_collector,
+        config.store_path, fields=replay_fields(spec, learner), n_envs=config.envs_per_region,
         steps_per_region=config.steps_per_region, n_slots=config.n_slots, attrs=attrs)
 
 
@@ -94,8 +95,9 @@ def _context(kind: str, config: RunConfig, *extra):
         ctx = _CACHE.get(key)
         if ctx is None or ctx["config_json"] != config.to_json():
             env = envs.make(config.env_id, **config.env_kwargs)
-            learner = algos.make_learner(config.algo, env.spec, config.algo_config())
-            ctx = {"config_json": config.to_json(), "env": env, "learner": learner}
+            single = algos.make_learner(config.algo, env.spec, config.algo_config())
+            ctx = {"config_json": config.to_json(), "env": env, "single_seed": single,
+                   "learner": seeds.vmap_seeds(single, config.n_seeds)}
             _CACHE[key] = ctx
         return ctx
 
@@ -116,7 +118,8 @@ def _to_numpy(tree):
 
 
 def _scalars(tree) -> dict:
-    return {k: float(v) for k, v in tree.items()}
+    """Metrics as floats; per-seed metrics ([S]) as their mean over seeds."""
+    return {k: float(np.mean(v)) for k, v in tree.items()}
 
 
 # ----------------------------------------------------------------------- collect
@@ -135,7 +138,7 @@ def collect(config, collector: int, iteration: int, params, param_version: int,
     if "collect" not in ctx:
         make = rollout.make_collector if env.spec.backend == "jax" else rollout.make_numpy_collector
         ctx["init"], ctx["collect"] = make(env, learner.act, learner.init_carry,
-                                           config.envs_per_collector, config.steps_per_region)
+                                           config.envs_per_region, config.steps_per_region)
     if "rollout_state" not in ctx:
         key = jax.random.fold_in(jax.random.fold_in(jax.random.PRNGKey(config.seed), collector), iteration)
         ctx["rollout_state"] = ctx["init"](key)
@@ -152,7 +155,7 @@ def collect(config, collector: int, iteration: int, params, param_version: int,
     _maybe_fail(config, region_id)
     ctx["rollout_state"] = rstate
     return {**_scalars(stats), "region": region_id, "collector": collector,
-            "steps": config.envs_per_collector * config.steps_per_region,
+            "steps": config.envs_per_region * config.steps_per_region,
             "rollout_s": rollout_s, "collect_s": time.perf_counter() - started}
 
 
@@ -190,7 +193,7 @@ def _learner_state(config: RunConfig, ctx: dict) -> dict:
     # an on-policy learner's mirror holds just one iteration's regions
     n_slots = config.n_collectors if learner.on_policy else config.n_slots
     ctx["arrays"], ctx["valid"] = buffer.empty(fields, n_slots, config.steps_per_region,
-                                               config.envs_per_collector)
+                                               config.envs_per_region)
     ctx["mirrored"] = {}  # slot -> region id held in the device mirror
     ctx["store"] = open_store(config, spec)
     return ctx
@@ -271,7 +274,7 @@ def _finish_train(ctx: dict, iteration: int, env_steps: int, checkpoint: bool, m
     learner = ctx["learner"]
     version = iteration + 1
     ctx["meta"] = {"iteration": iteration + 1, "env_steps": int(env_steps), "param_version": version,
-                   "updates": int(ctx["train_state"]["updates"])}
+                   "updates": int(np.max(ctx["train_state"]["updates"]))}  # per seed
     if checkpoint:
         ctx["checkpoints"].save(iteration + 1, _to_numpy(ctx["train_state"]), ctx["meta"])
     return {"params": _to_numpy(learner.policy_params(ctx["train_state"])),
@@ -291,13 +294,23 @@ def initial_params(config) -> dict:
 
 
 def evaluate(config, params, iteration: int) -> dict:
-    """Greedy play of `eval_episodes` fresh episodes; win rate, return and length."""
+    """Greedy play of `eval_episodes` fresh episodes per seed: win rate, return and length
+    (with several seeds: their mean, plus `<metric>_std` and `<metric>_per_seed`)."""
     config = as_config(config)
     ctx = _context("evaluate", config)
     if "evaluate" not in ctx:
-        learner, env = ctx["learner"], ctx["env"]
+        learner, env = ctx["single_seed"], ctx["env"]
         make = rollout.make_evaluator if env.spec.backend == "jax" else rollout.make_numpy_evaluator
         ctx["evaluate"] = make(env, learner.act, learner.init_carry, config.eval_episodes,
                                learner.greedy)
     key = jax.random.fold_in(jax.random.PRNGKey(config.seed + 10_000), iteration)
-    return _scalars(ctx["evaluate"](params, key))
+    if config.n_seeds == 1:
+        return _scalars(ctx["evaluate"](params, key))
+    runs = [_scalars(ctx["evaluate"](jax.tree.map(lambda p: p[s], params), jax.random.fold_in(key, s)))
+            for s in range(config.n_seeds)]
+    out = {}
+    for name in runs[0]:
+        values = np.array([r[name] for r in runs])
+        out.update({name: float(values.mean()), f"{name}_std": float(values.std()),
+                    f"{name}_per_seed": values.tolist()})
+    return out

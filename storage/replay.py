@@ -639,4 +639,7 @@ def open_replay(path):
     ds = ds.drop_vars([COMMIT]).set_coords(list(COORDS)).isel({STEP_DIM: idx})
     for name in COORDS:  # small: load so they describe exactly the snapshot taken above
         ds[name] = ds[name].load()
+    n_seeds = int(store.attrs.get("n_seeds", 1))
+    if n_seeds > 1:  # several seeds share each region: seed s owns a block of envs
+        ds = ds.assign_coords(seed=("env", np.arange(store.n_envs) // (store.n_envs // n_seeds)))
     return ds

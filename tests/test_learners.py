@@ -1,0 +1,107 @@
+"""IQL and VDN beside QMIX, several seeds in one learner, and PettingZoo envs on CPU workers."""
+
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from marl import algos, buffer, envs, rollout, seeds
+from pipelines import cluster, stages
+from pipelines.config import make_run_config
+from storage import Checkpointer, ReplayStore, open_replay
+
+TINY = "qmix-smac-tiny"
+SMALL = {"hidden": 16, "mixer_embed": 8, "hypernet_embed": 16, "batch_size": 4, "seq_len": 8}
+
+
+@pytest.fixture(scope="module")
+def smax_windows():
+    """Windows of real SMAX 3m play, collected once with a random QMIX policy."""
+    env = envs.make("smax:3m")
+    learner = algos.make_learner("qmix", env.spec, algos.config_for("qmix", SMALL))
+    init, collect = rollout.make_collector(env, learner.act, learner.init_carry, 4, 16)
+    state = learner.init(jax.random.PRNGKey(0))
+    _, data, _ = collect(learner.policy_params(state), init(jax.random.PRNGKey(1)),
+                         learner.exploration(jnp.float32(0)))
+    arrays, valid = buffer.empty({k: (v.shape[2:], v.dtype) for k, v in data.items()}, 1, 16, 4)
+    arrays, valid = buffer.insert(arrays, valid, 0, data)
+    return env, arrays, valid, buffer.sample_windows(jax.random.PRNGKey(2), arrays, valid, 4, 8)
+
+
+def test_vdn_mixes_by_sum_and_iql_keeps_one_target_per_agent(smax_windows):
+    env, arrays, valid, windows = smax_windows
+    out = {}
+    for algo in ("qmix", "vdn", "iql"):
+        learner = algos.make_learner(algo, env.spec, algos.config_for(algo, SMALL))
+        assert learner.name == algo
+        state = learner.init(jax.random.PRNGKey(0))
+        out[algo] = learner.score(state, windows)
+        state, metrics = learner.train(state, arrays, valid, 3)
+        assert np.isfinite(float(metrics["loss"])) and int(state["updates"]) == 3
+    vdn = out["vdn"]
+    np.testing.assert_allclose(vdn["q_tot"][0], vdn["q_taken"][0].sum(-1), rtol=1e-5, atol=1e-5)
+    assert out["vdn"]["td_error"][1] == () and out["qmix"]["td_error"][1] == ()
+    assert out["iql"]["td_error"][0].shape == (4, 8, 3) and out["iql"]["td_error"][1] == ("agent",)
+    # the last step of a window has no next step, hence no target
+    assert np.isnan(out["iql"]["td_error"][0][:, -1]).all()
+    assert np.isfinite(out["iql"]["td_error"][0][:, :-1]).all()
+
+
+def test_seeds_split_and_join_envs_in_blocks():
+    x = jnp.arange(2 * 3 * 6).reshape(2, 6, 3)  # [T, S*N, ...] with S=3, N=2
+    split = seeds.split_envs(x, 3, axis=1)
+    assert split.shape == (3, 2, 2, 3)
+    np.testing.assert_array_equal(split[1], x[:, 2:4])  # seed 1 owns envs 2 and 3
+    np.testing.assert_array_equal(seeds.join_envs(split, axis=1), x)
+
+
+def test_flow_trains_independent_seeds_in_one_learner(tmp_path, prefect_server, dask_cluster):
+    from flows.train import marl_train
+
+    run_dir = str(tmp_path / "run")
+    result = marl_train(preset=TINY, run_dir=run_dir, env_steps=1024, seeds=3,
+                        overrides={"n_collectors": "1", "learning_starts": "1", "eval_every": "2"},
+                        scheduler_address=dask_cluster.scheduler_address)
+    # env steps count per seed: 1024 = 4 iterations x 8 envs x 32 steps, for each of 3 seeds
+    assert result["iterations"] == 4 and result["env_steps"] == 1024
+    ds = open_replay(os.path.join(run_dir, "replay"))
+    assert ds.sizes["env"] == 3 * 8 and list(np.bincount(ds.seed.values)) == [8, 8, 8]
+    final = result["final_eval"]
+    assert len(final["win_rate_per_seed"]) == 3 and "return_mean_std" in final
+    assert "test_win_rate_std" in result["history"][-1]
+    checkpoints = Checkpointer(os.path.join(run_dir, "checkpoints"))
+    try:
+        template = jax.tree.map(np.asarray, seeds.vmap_seeds(
+            algos.make_learner("qmix", envs.spec_of("smax:3m"), make_run_config(TINY).algo_config()), 3
+        ).init(jax.random.PRNGKey(0)))
+        state, meta = checkpoints.restore(target=template)
+    finally:
+        checkpoints.close()
+    assert list(state["updates"]) == [8, 8, 8]  # 4 iterations x 2 updates, for every seed
+    kernels = state["params"]["agent"]["params"]["Dense_0"]["kernel"]
+    assert not np.allclose(kernels[0], kernels[1]) and not np.allclose(kernels[1], kernels[2])
+
+
+def test_vdn_on_a_pettingzoo_env_collects_on_cpu_workers(tmp_path, prefect_server, dask_cluster):
+    from flows.train import marl_train
+
+    run_dir = str(tmp_path / "run")
+    result = marl_train(preset=TINY, env="pz:mpe2.simple_spread_v3", run_dir=run_dir, env_steps=512,
+                        overrides={"algo": "vdn", "n_collectors": "1", "learning_starts": "1",
+                                   "env_kwargs": '{"max_cycles": 25}'},
+                        scheduler_address=dask_cluster.scheduler_address)
+    assert result["iterations"] == 2
+    store = ReplayStore.open(os.path.join(run_dir, "replay"))
+    assert store.attrs["env_id"] == "pz:mpe2.simple_spread_v3" and store.attrs["algorithm"] == "vdn"
+    ds = open_replay(os.path.join(run_dir, "replay"))
+    assert ds.sizes["step"] == 64 and ds.sizes["agent"] == 3
+    # MPE episodes last max_cycles steps: in 64 steps every env ended exactly 2 of them
+    assert int(ds.done.sum()) == 2 * 8
+    assert result["final_eval"]["length_mean"] == 25.0
+    with __import__("distributed").Client(dask_cluster.scheduler_address) as client:
+        where = cluster.placement(client, env_backend=stages.env_backend(
+            make_run_config(TINY, env_id="pz:mpe2.simple_spread_v3").to_dict()))
+        resources = client.scheduler_info()["workers"]
+        assert all(not resources[w]["resources"].get("gpu") for w in where["collectors"])
