@@ -145,7 +145,7 @@ def _port_owner(port: int) -> str:
 
 # --- readiness probes -------------------------------------------------------------------
 
-def _http_json(url: str, body: dict | None = None, timeout: float = 3):
+def _http_json(url: str, body: dict | None = None, timeout: float = 10):
     data = None if body is None else json.dumps(body).encode()
     req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=timeout) as r:
@@ -241,19 +241,27 @@ def _prefect_cli(args: list[str], env: dict[str, str], log_path: str, what: str,
         raise StackError(f"{what} failed (exit {out.returncode}): {last}; see {log_path}")
 
 
+def _api(api_url: str, path: str, body: dict | None = None):
+    """A Prefect API call during `up`: its JSON, None for 404, else a StackError."""
+    try:
+        return _http_json(f"{api_url}{path}", body, timeout=60)  # a busy 2-core machine is slow
+    except urllib.error.HTTPError as e:
+        if e.code == 404:
+            return None
+        raise StackError(f"the Prefect server answered {e.code} to {path}") from None
+    except (OSError, urllib.error.URLError) as e:
+        raise StackError(f"the Prefect server at {api_url} did not answer {path} ({e})") from None
+
+
 def _deploy_all(home: str, env: dict[str, str], api_url: str) -> list[str]:
     """Create the work pool if missing and deploy every deployment of prefect.yaml."""
     names = _deployments()
     log_path = os.path.join(home, "logs", "deploy.log")
-    try:
-        _http_json(f"{api_url}/work_pools/{POOL}")
-    except urllib.error.HTTPError as e:
-        if e.code != 404:
-            raise StackError(f"the Prefect server answered {e.code} for work pool {POOL}; see {log_path}") from None
+    if _api(api_url, f"/work_pools/{POOL}") is None:
         _prefect_cli(["work-pool", "create", POOL, "--type", "process"], env, log_path,
                      f"creating work pool {POOL}")
     _prefect_cli(["--no-prompt", "deploy", "--all"], env, log_path, "prefect deploy --all")
-    deployed = {d["name"] for d in _http_json(f"{api_url}/deployments/filter", {})}
+    deployed = {d["name"] for d in _api(api_url, "/deployments/filter", {})}
     missing = [n for n in names if n not in deployed]
     if missing:
         raise StackError(f"prefect deploy --all did not create {', '.join(missing)}; see {log_path}")
@@ -278,8 +286,7 @@ def _commands(name: str, home: str, state: dict, args, gpus: int) -> tuple[list[
         # --dashboard-address: a worker serves /health and /metrics even without its dashboard,
         # by default on all interfaces
         common = [comps["dask-scheduler"]["url"], "--host", HOST, "--nthreads", "1", "--no-dashboard",
-                  "--dashboard-address", f"{HOST}:0", "--local-directory", os.path.join(home, "dask-workers"),
-                  "--name", "stack"]
+                  "--dashboard-address", f"{HOST}:0", "--local-directory", os.path.join(home, "dask-workers")]
         if gpus:  # one worker per GPU, as pipelines.cluster.make_cluster gives local clusters
             return [py, "-m", "dask", "cuda", "worker", *common, "--resources", "gpu=1"], \
                 {"n_workers": gpus, "kind": "gpu", "url": f"{gpus} gpu workers"}
@@ -287,7 +294,8 @@ def _commands(name: str, home: str, state: dict, args, gpus: int) -> tuple[list[
             {"n_workers": args.workers, "kind": "cpu", "url": f"{args.workers} cpu workers"}
     if name == "prefect-worker":
         return ([py, "-m", "prefect", "--no-prompt", "worker", "start", "--pool", POOL, "--type", "process",
-                 "--name", WORKER_NAME], {"name": WORKER_NAME, "url": f"pool {POOL}"})
+                 "--name", WORKER_NAME],
+                {"name": WORKER_NAME, "url": f"pool {POOL}", "scheduler": comps["dask-scheduler"]["url"]})
     raise ValueError(name)
 
 
@@ -338,11 +346,14 @@ def cmd_up(args) -> int:
                 names = _deploy_all(home, _base_env(home, api_url), api_url)
                 print(f"{'deployments':15s} {', '.join(names)} on work pool {POOL}")
             entry = comps.get(name)
-            if _process(entry) and _answers(name, entry, state):
+            # a Prefect worker hands its flow runs the scheduler address it was started with
+            stale = name == "prefect-worker" and entry and entry.get("scheduler") != comps["dask-scheduler"]["url"]
+            if _process(entry) and not stale and _answers(name, entry, state):
                 print(f"{name:15s} running   pid {entry['pid']:<7d} {entry.get('url', '')}  (reused)")
                 continue
             if _process(entry):
-                print(f"{name:15s} pid {entry['pid']} runs but does not answer; restarting it")
+                print(f"{name:15s} pid {entry['pid']} {'knows an old scheduler' if stale else 'does not answer'}; "
+                      "restarting it")
                 _stop(entry)
             if name == "dask-workers" and gpus is None:
                 gpus = _gpu_workers()

@@ -105,3 +105,19 @@ def test_vdn_on_a_pettingzoo_env_collects_on_cpu_workers(tmp_path, prefect_serve
             make_run_config(TINY, env_id="pz:mpe2.simple_spread_v3").to_dict()))
         resources = client.scheduler_info()["workers"]
         assert all(not resources[w]["resources"].get("gpu") for w in where["collectors"])
+
+
+def test_every_training_deployment_names_a_preset():
+    import yaml
+
+    from pipelines.config import PRESETS
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    with open(os.path.join(root, "prefect.yaml")) as f:
+        deployments = yaml.safe_load(f)["deployments"]
+    train = {d["name"]: d for d in deployments if d["entrypoint"] == "flows/train.py:marl_train"}
+    assert set(train) >= {"qmix-smac", "mappo-smax", "mappo-mpe", "maddpg-mpe", "ippo-mpe", "vdn-smax",
+                          "mappo-pz-spread"}
+    for name, d in train.items():
+        assert d["parameters"]["preset"] == name and name in PRESETS
+        assert d["work_pool"]["name"] == "marl-process"
