@@ -34,7 +34,9 @@ def main():
     parser.add_argument("--run-root", default="runs/bench-value-methods")
     args = parser.parse_args()
 
-    os.environ.setdefault("PREFECT_HOME", os.path.abspath(".prefect"))
+    # its own Prefect home: other benchmarks may run their ephemeral servers at the same time
+    os.environ.setdefault("PREFECT_HOME", os.path.abspath(".prefect/bench-value-methods"))
+    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "300")
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
 
