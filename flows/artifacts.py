@@ -55,7 +55,7 @@ def plot_learning_curve(history: list[dict], path: str, title: str) -> str:
     fig = Figure(figsize=(9, 3.6), layout="constrained")
     ax_return, ax_test = fig.subplots(1, 2)
     steps = [row["env_steps"] for row in history]
-    ax_return.plot(steps, [_float(row.get("return")) for row in history], label="training return")
+    ax_return.plot(steps, [_float(row.get("return")) for row in history], ".-", label="training return")
     evaluated = [row for row in history if "test_win_rate" in row or "test_return" in row]
     ax_return.plot([r["env_steps"] for r in evaluated], [_float(r.get("test_return")) for r in evaluated],
                    "o-", label="test return (greedy)")

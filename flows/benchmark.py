@@ -49,12 +49,20 @@ class Suite:
     nightly: bool = True  # run when the flow is given no suite list
 
 
-# Add an entry per benchmark, e.g. Suite("mappo-mpe-spread", "mappo-mpe", "mpe:simple_spread", "test_return")
+# One entry per benchmark. Budgets are for a nightly run on 2 CPU cores: a fixed budget
+# makes scores comparable from night to night, not necessarily converged. A nightly entry
+# whose preset does not exist (yet) is skipped with a warning.
 SUITES: dict[str, Suite] = {s.name: s for s in [
     # QMIX reaches >= 0.9 greedy test win rate on 3m at ~280k env steps (BENCHMARKS.md)
     Suite("qmix-3m", "qmix-smac", "smax:3m", "test_win_rate", 300_000),
+    Suite("vdn-3m", "vdn-smax", "smax:3m", "test_win_rate", 300_000),
+    Suite("iql-3m", "iql-smax", "smax:3m", "test_win_rate", 300_000),
+    # MPE has no win: score the greedy mean episode return (higher is better)
+    Suite("mappo-spread", "mappo-mpe", "mpe:simple_spread", "test_return", 500_000),
+    Suite("maddpg-spread", "maddpg-mpe", "mpe:simple_spread", "test_return", 300_000),
     # seconds long: for tests and smoke runs of the benchmark machinery itself
     Suite("qmix-3m-tiny", "qmix-smac-tiny", "smax:3m", "test_win_rate", 512, nightly=False),
+    Suite("mappo-spread-tiny", "mappo-mpe-tiny", "mpe:simple_spread", "test_return", 512, nightly=False),
 ]}
 
 RESULT_COLUMNS = {  # name -> type, the header of results.csv
@@ -69,7 +77,7 @@ RESULT_COLUMNS = {  # name -> type, the header of results.csv
 def select_suites(names: list[str] | None) -> list[Suite]:
     """The named suite entries (all nightly ones for None), checked before anything runs."""
     if names is None:
-        chosen = [s for s in SUITES.values() if s.nightly]
+        chosen = [s for s in SUITES.values() if s.nightly and s.preset in PRESETS]
     else:
         unknown = [n for n in names if n not in SUITES]
         if unknown:
@@ -193,21 +201,22 @@ def machine_info() -> dict:
 
 
 def plot_trends(rows: list[dict], path: str) -> str:
-    """Score and wall time of each suite over its runs."""
-    fig = Figure(figsize=(10, 3.8), layout="constrained")
-    ax_score, ax_wall = fig.subplots(1, 2, sharex=True)
-    for suite in dict.fromkeys(r["suite"] for r in rows):
+    """Score and wall time of each suite over its runs: one row of two panels per suite,
+    since suites score on different scales (win rate, return)."""
+    suites = list(dict.fromkeys(r["suite"] for r in rows)) or ["(no results yet)"]
+    fig = Figure(figsize=(10, 1.2 + 2.4 * len(suites)), layout="constrained")
+    axes = fig.subplots(len(suites), 2, squeeze=False)
+    for (ax_score, ax_wall), suite in zip(axes, suites):
         mine = [r for r in rows if r["suite"] == suite]
         when = [datetime.datetime.fromisoformat(r["timestamp"]) for r in mine]
-        ax_score.plot(when, [_nan(r.get("score")) for r in mine], "o-", label=f"{suite} ({mine[-1]['score_metric']})")
-        ax_wall.plot(when, [_nan(r.get("wall_s")) for r in mine], "o-", label=suite)
-    ax_score.set(title="score (final greedy evaluation)", ylabel="score")
-    ax_wall.set(title="wall time per suite run", ylabel="seconds")
-    for ax in (ax_score, ax_wall):
-        ax.grid(alpha=0.3)
-        ax.tick_params(axis="x", labelrotation=30, labelsize="small")
-        if rows:
-            ax.legend(loc="best", fontsize="small")
+        ax_score.plot(when, [_nan(r.get("score")) for r in mine], "o-")
+        ax_wall.plot(when, [_nan(r.get("wall_s")) for r in mine], "o-", color="tab:orange")
+        metric = mine[-1]["score_metric"] if mine else "score"
+        ax_score.set(title=f"{suite}: {metric}", ylabel=metric)
+        ax_wall.set(title=f"{suite}: wall time", ylabel="seconds")
+        for ax in (ax_score, ax_wall):
+            ax.grid(alpha=0.3)
+            ax.tick_params(axis="x", labelrotation=30, labelsize="small")
     fig.suptitle(f"marl-benchmark trends ({len(rows)} results)")
     fig.savefig(path, dpi=100)
     return path
@@ -262,6 +271,10 @@ def marl_benchmark(suites: list[str] | None = None, env_steps: int | None = None
     `keep_runs` run dirs per suite (0 keeps all)."""
     logger = get_run_logger()
     chosen = select_suites(suites)
+    if suites is None:
+        for s in SUITES.values():
+            if s.nightly and s.preset not in PRESETS:
+                logger.warning("skipping suite %s: preset %s does not exist", s.name, s.preset)
     results_path = os.path.join(results_dir, "results.csv")
     earlier = read_results(results_path)
     provenance = {"git_commit": git_commit(), **machine_info(), "flow_run_id": flow_run.get_id() or ""}
@@ -281,11 +294,11 @@ def marl_benchmark(suites: list[str] | None = None, env_steps: int | None = None
                            scheduler_address=scheduler_address, n_workers=n_workers, return_state=True)
         row = {"timestamp": now.isoformat(), "suite": suite.name, "preset": suite.preset,
                "env": suite.env_id, "algorithm": PRESETS[suite.preset]["algo"], "env_steps_budget": budget,
-               "wall_s": time.perf_counter() - began, "score_metric": suite.metric, **provenance,
+               "wall_s": round(time.perf_counter() - began, 2), "score_metric": suite.metric, **provenance,
                "train_flow_run_id": str(state.state_details.flow_run_id), "run_dir": os.path.abspath(run_dir)}
         if state.is_completed():
             result = state.result()
-            row.update(env_steps=result["env_steps"], train_s=result["wall_s"],
+            row.update(env_steps=result["env_steps"], train_s=round(result["wall_s"], 2),
                        score=json_number(result["final_eval"].get(SCORE_METRICS[suite.metric])))
         else:
             row["error"] = " ".join(str(state.message or state.type.value).split())[:300]

@@ -18,9 +18,11 @@ def cmd_benchmark(args) -> int:
     console = Console()
     names = [n for item in args.suites or [] for n in item.split(",") if n] or None
     if args.list:
+        from pipelines.config import PRESETS
+
         for s in benchmark.SUITES.values():
-            print(f"{s.name:16s} {s.preset:16s} {s.env_id:14s} {s.metric:14s} "
-                  f"{s.env_steps:>10,} env steps{'' if s.nightly else '  (not nightly)'}")
+            notes = ("" if s.nightly else "  (not nightly)") + ("" if s.preset in PRESETS else "  (no such preset yet)")
+            print(f"{s.name:18s} {s.preset:16s} {s.env_id:18s} {s.metric:14s} {s.env_steps:>9,} env steps{notes}")
         return 0
     try:  # fail fast, before any cluster or server starts
         benchmark.select_suites(names)

@@ -1,7 +1,7 @@
 """`marl`: train presets on the embedded default, inspect replay stores.
 
     marl train qmix-smac [--env-steps N] [--collectors K] [--run-dir D] [--set key=value ...]
-    marl replay info PATH
+    marl replay info|episodes|reanalyze|export PATH ...   (see flows/replay_cli.py)
     marl stack up|down|status [--home DIR]
     marl presets
 """
