@@ -116,12 +116,16 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="marl", description="Multi-agent RL as a dataflow.")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    p = sub.add_parser("train", help="train a preset on a local Dask cluster with Prefect (no server needed)")
+    p = sub.add_parser("train", help="train a preset on a local Dask cluster with Prefect (no server needed)",
+                       description="Run the marl-train flow (collect -> train -> evaluate, iterated) for a "
+                       "preset on a local 2-worker Dask cluster (or --scheduler), Prefect without a server; "
+                       "prints a progress bar and a per-evaluation table, then the replay store and "
+                       "checkpoint paths. An existing --run-dir resumes from its latest checkpoint.")
     p.add_argument("preset", help="e.g. qmix-smac (see `marl presets`)")
     p.add_argument("--env", help="env id, e.g. smax:3m, smax:2s3z (default: the preset's)")
     p.add_argument("--env-steps", type=int, help="total env steps (default: the preset's)")
     p.add_argument("--collectors", type=int, help="parallel collect tasks per iteration")
-    p.add_argument("--seed", type=int)
+    p.add_argument("--seed", type=int, help="base random seed of network init, collection and evaluation (default 0)")
     p.add_argument("--seeds", type=int, help="train this many independent seeds in one learner (vmap); "
                    "evaluations report their mean and standard deviation")
     p.add_argument("--run-dir", help="where the replay store and checkpoints live (default runs/PRESET); "
@@ -135,11 +139,25 @@ def main(argv: list[str] | None = None) -> int:
     for module in COMMAND_MODULES:  # each adds its own subcommands
         importlib.import_module(module).add_commands(sub)
 
-    p = sub.add_parser("presets", help="list the training presets")
+    p = sub.add_parser("presets", help="list the training presets",
+                       description="List every training preset: name, algorithm, env id and env-step budget.")
     p.set_defaults(fn=cmd_presets)
 
+    _describe_from_help(parser)
     args = parser.parse_args(argv)
     return args.fn(args)
+
+
+def _describe_from_help(parser: argparse.ArgumentParser) -> None:
+    """Give every (sub-)command without a description its one-line help as one, so that
+    `marl CMD --help` always says what CMD does."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for choice in action._choices_actions:
+                child = action.choices[choice.dest]
+                if not child.description and choice.help:
+                    child.description = choice.help[0].upper() + choice.help[1:] + "."
+                _describe_from_help(child)
 
 
 if __name__ == "__main__":

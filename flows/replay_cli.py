@@ -1,40 +1,293 @@
-"""`marl replay ...`: inspect replay stores offline."""
+"""`marl replay ...`: inspect, summarise, reanalyse and export replay stores offline.
+
+    marl replay info PATH                                   schema, env, dims, chunks, codecs, size
+    marl replay episodes PATH [--by iteration|collector] [--csv OUT]
+    marl replay reanalyze RUN_DIR [--checkpoint STEP] [--out PATH]
+    marl replay export PATH --minari DATASET_ID [--out DIR]
+
+PATH is a replay store or a run dir holding one at <run_dir>/replay.
+"""
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 
 
+def _console():
+    from rich.console import Console
+
+    # a pipe or a test gets a fixed, wide layout instead of rich's 80 columns
+    # markup off: paths and code in the output hold square brackets
+    return Console(markup=False) if sys.stdout.isatty() else Console(width=160, soft_wrap=True, markup=False)
+
+
+def _fail(message: str) -> int:
+    print(f"marl: {message}", file=sys.stderr)
+    return 2
+
+
+def store_path(path: str) -> str:
+    """PATH itself, or PATH/replay when PATH is a run dir."""
+    inner = os.path.join(path, "replay")
+    if not os.path.isfile(os.path.join(path, "zarr.json")) and os.path.isfile(os.path.join(inner, "zarr.json")):
+        return inner
+    return path
+
+
+def _dir_size(path: str) -> int:
+    return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(path) for f in fs)
+
+
+def _codec(codec) -> str:
+    """e.g. zstd(level=0); settings that are off (checksum=False) are left out."""
+    d = codec.to_dict()
+    config = ",".join(f"{k}={v}" for k, v in (d.get("configuration") or {}).items()
+                      if v is not False and v is not None)
+    return f"{d['name']}({config})" if config else d["name"]
+
+
+def _size(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+
+
+def _arrays_table(path: str, names: list[str]):
+    """Per Zarr array: dims, shape, chunks, codec chain, bytes on disk and compression ratio."""
+    import zarr
+    from rich import box
+    from rich.table import Table
+
+    group = zarr.open_group(path, mode="r", zarr_format=3)
+    table = Table(title="variables: Zarr v3 arrays (codecs: filters > serializer > compressors)",
+                  title_justify="left", box=box.SIMPLE_HEAD)
+    for col in ("name", "dtype", "dims", "shape", "chunks", "codecs", "stored", "ratio"):
+        table.add_column(col, justify="right" if col in ("stored", "ratio") else "left")
+    for name in names:
+        array = group[name]
+        stored = _dir_size(os.path.join(path, name))
+        chunk_bytes = math.prod(array.chunks) * array.dtype.itemsize
+        chunk_dir = os.path.join(path, name, "c")
+        n_chunks = sum(len(fs) for _, _, fs in os.walk(chunk_dir))
+        # raw / compressed bytes of the chunks on disk; chunks equal to the fill value are
+        # not written at all (zarr's write_empty_chunks=False)
+        ratio = f"{n_chunks * chunk_bytes / _dir_size(chunk_dir):.1f}x" if n_chunks else "no chunks"
+        codecs = [*array.filters, array.serializer, *array.compressors]
+        table.add_row(name, str(array.dtype), ",".join(array.metadata.dimension_names or ()),
+                      "x".join(map(str, array.shape)), "x".join(map(str, array.chunks)),
+                      " > ".join(_codec(c) for c in codecs), _size(stored), ratio)
+    return table
+
+
+def _derived_info(path: str) -> int:
+    """`replay info` of a derived group (a reanalysis output)."""
+    from storage import StoreError
+    from storage.derived import WRITTEN, DerivedGroup
+
+    try:
+        derived = DerivedGroup.open(path)
+    except StoreError as e:
+        return _fail(str(e))
+    console, attrs = _console(), derived.attrs
+    written = derived.written()
+    console.print(f"{attrs.get('kind')} group: {os.path.abspath(path)}")
+    console.print(f"source store: {attrs.get('source_store')}  env {attrs.get('env_id')}  "
+                  f"algorithm {attrs.get('algorithm')}")
+    if "checkpoint_step" in attrs:
+        console.print(f"checkpoint:   step {attrs['checkpoint_step']} in {attrs.get('checkpoint_dir')}")
+    console.print(f"regions:      {len(written)} of {len(derived.regions)} written "
+                  f"({derived.steps_per_region} steps x {derived.n_envs} envs each)")
+    console.print(_arrays_table(path, [*derived.variables, "region", "iteration", "collector",
+                                       "param_version", WRITTEN]))
+    console.print(f"size on disk: {_size(_dir_size(path))}")
+    return 0
+
+
 def cmd_replay_info(args) -> int:
+    import json
+
     import numpy as np
 
     from storage import ReplayStore, StoreError, open_replay
 
+    path = store_path(args.path)
+    try:  # a reanalysis output is a derived group, not a store
+        with open(os.path.join(path, "zarr.json")) as fh:
+            kind = json.load(fh).get("attributes", {}).get("kind")
+    except (OSError, ValueError):
+        kind = None
+    if kind in ("reanalysis", "derived"):
+        return _derived_info(path)
     try:
-        store = ReplayStore.open(args.path)
-        ds = open_replay(args.path)
+        store = ReplayStore.open(path)
+        ds = open_replay(path)
     except StoreError as e:
-        print(f"marl: {e}", file=sys.stderr)
-        return 2
-    attrs = store.attrs
-    print(f"store:        {os.path.abspath(args.path)}")
-    print(f"schema:       v{attrs.get('schema_version')}  env {attrs.get('env_id')}  algorithm {attrs.get('algorithm')}  seed {attrs.get('seed')}")
-    print(f"committed:    {len(store.committed())} regions ({store.committed_steps()} steps x {store.n_envs} envs), "
-          f"{store.total_regions_committed()} regions written in all, ring of {store.n_slots}")
-    print("dims:         " + ", ".join(f"{k}={v}" for k, v in ds.sizes.items()))
-    for name, var in ds.data_vars.items():
-        print(f"  {name:14s} {str(var.dtype):8s} ({', '.join(var.dims)})")
-    size = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(args.path) for f in fs)
-    print(f"size on disk: {size / 2**20:.1f} MiB")
+        return _fail(str(e))
+    console, attrs = _console(), store.attrs
+    spec = attrs.get("env_spec") or {}
+    committed = [r for r, _ in store.committed()]
+    console.print(f"store:        {os.path.abspath(path)}")
+    console.print(f"schema:       v{attrs.get('schema_version')}  env {attrs.get('env_id')}  "
+                  f"algorithm {attrs.get('algorithm')}  seed {attrs.get('seed')}  preset {attrs.get('preset')}")
+    if spec:
+        actions = (f"{spec['n_actions']} discrete actions" if spec.get("discrete")
+                   else f"continuous actions [{spec.get('action_dim')}] in [{spec.get('action_low')}, {spec.get('action_high')}]")
+        console.print(f"env:          {len(spec.get('agents', []))} agents {', '.join(spec.get('agents', []))}; "
+                      f"obs {spec.get('obs_dim')}, state {spec.get('state_dim')}, {actions}, "
+                      f"episode limit {spec.get('episode_limit')}, {spec.get('backend')} backend")
+    span = f" (ids {committed[0]}..{committed[-1]})" if committed else ""
+    console.print(f"committed:    {len(committed)} regions{span} = {store.committed_steps()} steps x "
+                  f"{store.n_envs} envs = {store.committed_steps() * store.n_envs:,} transitions; "
+                  f"{store.total_regions_committed()} regions written in all")
+    console.print(f"ring:         {store.n_slots} slots x {store.steps_per_region} steps "
+                  f"(capacity {store.capacity:,} steps); one region = one chunk along step")
+    console.print("dims:         " + ", ".join(f"{k}={v}" for k, v in ds.sizes.items()))
     if len(ds.step):
-        print(f"iterations:   {int(np.min(ds.iteration))}..{int(np.max(ds.iteration))}")
+        it, pv = ds.iteration.values, ds.param_version.values
+        console.print(f"iterations:   {int(np.min(it))}..{int(np.max(it))}  collectors "
+                      f"{sorted(set(int(c) for c in ds.collector.values))}  param versions "
+                      f"{int(np.min(pv))}..{int(np.max(pv))}")
+
+    console.print(_arrays_table(path, [*store.fields, "region", "iteration", "collector",
+                                       "param_version", "commit"]))
+    console.print(f"size on disk: {_size(_dir_size(path))}")
     return 0
 
 
+def cmd_replay_episodes(args) -> int:
+    from rich.table import Table
+
+    from storage import StoreError, open_replay
+    from storage.episodes import episodes, summarize
+
+    path = store_path(args.path)
+    try:
+        table = episodes(open_replay(path))
+        summary = summarize(table, args.by)
+    except StoreError as e:
+        return _fail(str(e))
+    if args.csv:
+        table.to_csv(args.csv, index=False)
+    console = _console()
+    complete = table[table["complete"]]
+    out = Table(title=f"episodes by {args.by}: {os.path.abspath(path)}", title_justify="left")
+    for col in (args.by, "episodes", "mean return", "mean length", "win rate", "partial"):
+        out.add_column(col, justify="right")
+    fmt = lambda v, spec: "" if v != v else format(v, spec)
+    for row in summary.reset_index().itertuples(index=False):
+        out.add_row(str(row[0]), str(row.episodes), fmt(row.return_mean, ".3f"),
+                    fmt(row.length_mean, ".1f"), fmt(row.win_rate, ".3f"), str(row.partial))
+    if len(complete):
+        out.add_row("all", str(len(complete)), f"{complete['return'].mean():.3f}",
+                    f"{complete['length'].mean():.1f}", f"{complete['won'].mean():.3f}",
+                    str(int((~table['complete']).sum())), style="bold")
+    console.print(out)
+    console.print("partial: episodes whose start is not in the committed data (overwritten by the "
+                  "ring or before the first stored region); left out of the figures")
+    if args.csv:
+        console.print(f"per-episode table ({len(table)} rows): {os.path.abspath(args.csv)}")
+    return 0
+
+
+def cmd_replay_reanalyze(args) -> int:
+    from flows.cli import _embedded_defaults
+    from marl.algos import ConfigError
+    from pipelines import reanalyze
+    from storage import StoreError
+
+    try:  # bad paths or steps fail here, before a Prefect server or a cluster starts
+        reanalyze.plan(run_dir=args.run_dir, store=args.store, checkpoint_dir=args.checkpoints,
+                       checkpoint=args.checkpoint, out=args.out)
+    except StoreError as e:
+        return _fail(str(e))
+    _embedded_defaults()  # before prefect is imported
+    from flows.reanalyze import marl_reanalyze
+
+    try:
+        result = marl_reanalyze(run_dir=args.run_dir, store=args.store, checkpoint_dir=args.checkpoints,
+                                checkpoint=args.checkpoint, out=args.out,
+                                scheduler_address=args.scheduler, n_workers=args.workers)
+    except (StoreError, ConfigError, ValueError) as e:
+        return _fail(str(e))
+    console = _console()
+    console.print(f"reanalysed {result['written']} of {len(result['regions'])} regions of "
+                  f"{result['store']} with checkpoint {result['checkpoint_step']} in {result['wall_s']:.1f} s")
+    if result["skipped"]:
+        console.print(f"skipped (overwritten by the ring meanwhile): {result['skipped']}")
+    console.print(f"variables:    {', '.join(result['variables'])}")
+    console.print(f"output:       {result['out']}")
+    console.print(f"open with:    xr.merge([storage.open_replay({result['store']!r}), "
+                  f"storage.open_derived({result['out']!r})], compat='no_conflicts')")
+    return 0
+
+
+def cmd_replay_export(args) -> int:
+    from storage import StoreError
+    from storage.minari_export import export_minari
+
+    try:
+        result = export_minari(store_path(args.path), args.minari, out_dir=args.out)
+    except StoreError as e:
+        return _fail(str(e))
+    _console().print(f"Minari dataset {result['dataset_id']}: {result['episodes']} episodes, "
+                     f"{result['steps']} steps ({result['skipped']} partial episodes left out) at "
+                     f"{result['path']}")
+    return 0
+
+
+EXPORT_HELP = """Writes the complete episodes of a store as a Minari dataset (single-agent,
+gymnasium-style): the agents are flattened into one joint observation (Box of
+n_agents*obs_dim) and one joint action (MultiDiscrete of n_actions per agent for discrete
+envs such as smax:*, Box of n_agents*action_dim for continuous ones such as continuous
+mpe:*), the reward is the team reward (mean over agents), and the global state and action
+masks go into infos. Works for every env of the registry (smax:*, mpe:*, pz:*), since their
+stores hold fixed-shape agents. The store keeps no terminal observation (envs auto-reset),
+so each episode's final observation repeats its last one; an episode that reaches the
+env's episode limit is marked truncated, any other end terminated."""
+
+
 def add_commands(sub):
-    p = sub.add_parser("replay", help="inspect replay stores")
+    import argparse
+
+    p = sub.add_parser("replay", help="inspect, summarise, reanalyse and export replay stores")
     rsub = p.add_subparsers(dest="replay_command", required=True)
-    info = rsub.add_parser("info", help="schema, env, dims, committed steps, size")
-    info.add_argument("path")
+    where = "a replay store, or a run dir holding one at <run_dir>/replay"
+
+    info = rsub.add_parser("info", help="schema, env, dims, committed steps, chunking, compression, size")
+    info.add_argument("path", help=where)
     info.set_defaults(fn=cmd_replay_info)
+
+    ep = rsub.add_parser("episodes", help="per-episode return, length and win, summarised by iteration or collector",
+                         description="Episodes are computed region by region with dask (stores larger "
+                         "than memory work); an episode whose start was overwritten by the ring is partial "
+                         "and left out of the figures.")
+    ep.add_argument("path", help=where)
+    ep.add_argument("--by", choices=("iteration", "collector", "region"), default="iteration",
+                    help="group the summary by this coordinate of the step that ended each episode")
+    ep.add_argument("--csv", metavar="OUT", help="also write the per-episode table to this CSV file")
+    ep.set_defaults(fn=cmd_replay_episodes)
+
+    rean = rsub.add_parser("reanalyze", help="re-score stored transitions with a checkpoint (the marl-reanalyze flow)",
+                         description="Rebuilds the run's learner from the store, restores a checkpoint "
+                         "and writes its per-step scores (QMIX: q_taken, q_max, q_tot, td_error) into a "
+                         "separate Zarr group aligned with the store, on a local Dask cluster.")
+    rean.add_argument("run_dir", nargs="?", help="the run dir (holding replay/ and checkpoints/)")
+    rean.add_argument("--checkpoint", type=int, metavar="STEP", help="checkpoint step (default: the latest)")
+    rean.add_argument("--out", metavar="PATH", help="output group (default <run_dir>/reanalysis/step-<STEP>)")
+    rean.add_argument("--store", metavar="PATH", help="the replay store, if not <run_dir>/replay")
+    rean.add_argument("--checkpoints", metavar="DIR", help="the checkpoint dir, if not <run_dir>/checkpoints")
+    rean.add_argument("--scheduler", help="address of a running Dask scheduler (default: a new local cluster)")
+    rean.add_argument("--workers", type=int, default=2, help="local cluster workers (default 2)")
+    rean.set_defaults(fn=cmd_replay_reanalyze)
+
+    ex = rsub.add_parser("export", help="export complete episodes to a Minari dataset",
+                         description=EXPORT_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ex.add_argument("path", help=where)
+    ex.add_argument("--minari", required=True, metavar="DATASET_ID",
+                    help="Minari dataset id, e.g. marl/smax-3m-qmix-v0")
+    ex.add_argument("--out", metavar="DIR", help="Minari datasets root (default $MINARI_DATASETS_PATH "
+                    "or ~/.minari/datasets)")
+    ex.set_defaults(fn=cmd_replay_export)

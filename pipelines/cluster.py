@@ -98,12 +98,16 @@ def connect(address: str | None = None, **cluster_kwargs):
     """Yields a Client: to the scheduler at `address` (default: $MARL_DASK_SCHEDULER, which
     `marl stack up` sets for its flow runs), or to a new local cluster closed after."""
     address = address or os.environ.get(SCHEDULER_ENV) or None
+    # generous: on a loaded 2-core machine the default 30 s connect timeout was seen to expire
     if address:
-        with Client(address) as client:
+        with Client(address, timeout=CONNECT_TIMEOUT) as client:
             yield client
         return
-    with make_cluster(**cluster_kwargs) as cluster, Client(cluster) as client:
+    with make_cluster(**cluster_kwargs) as cluster, Client(cluster, timeout=CONNECT_TIMEOUT) as client:
         yield client
+
+
+CONNECT_TIMEOUT = "120s"
 
 
 def placement(client: Client, env_backend: str = "jax") -> dict:

@@ -1,10 +1,13 @@
-"""Zarr replay stores, their schema, xarray views, and learner checkpoints.
+"""Zarr replay stores, their schema, xarray views, derived groups (reanalysis) and learner
+checkpoints. Episode tables are in storage.episodes, Minari export in storage.minari_export.
 
-Imports only numpy, zarr, xarray, orbax and the standard library (never marl, pipelines
-or flows); xarray and orbax are imported lazily, on first use.
+Imports only numpy, zarr, xarray, dask, orbax and the standard library (never marl,
+pipelines or flows); xarray, dask and orbax are imported lazily, on first use.
 """
 
 from .checkpoints import Checkpointer
+from .derived import DerivedGroup, open_derived
 from .replay import SCHEMA_VERSION, Field, ReplayStore, StoreError, open_replay
 
-__all__ = ["ReplayStore", "open_replay", "Checkpointer", "StoreError", "SCHEMA_VERSION", "Field"]
+__all__ = ["ReplayStore", "open_replay", "Checkpointer", "StoreError", "SCHEMA_VERSION", "Field",
+           "DerivedGroup", "open_derived"]
