@@ -52,7 +52,11 @@ def cmd_benchmark(args) -> int:
 
 
 def add_commands(sub):
-    p = sub.add_parser("benchmark", help="run the benchmark suites, append to the results table, flag regressions")
+    p = sub.add_parser("benchmark", help="run the benchmark suites, append to the results table, flag regressions",
+                       description="Run the marl-benchmark flow (Prefect without a server): train each suite "
+                       "entry from scratch, append one row per entry to <results-dir>/results.csv, draw "
+                       "<results-dir>/trends.png and mark each entry OK or REGRESSION against the previous "
+                       "run of the same suite at the same budget.")
     p.add_argument("--suites", nargs="+", metavar="SUITE",
                    help="suite entries to run, e.g. qmix-3m (default: every nightly entry; see --list)")
     p.add_argument("--env-steps", type=int, help="env steps per suite entry (default: each entry's budget)")

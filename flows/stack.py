@@ -483,14 +483,24 @@ def add_commands(sub) -> None:
                        help=f"where the stack keeps its Prefect database, logs and state (default {DEFAULT_HOME})")
         return q
 
-    up = with_home(ssub.add_parser("up", help="start what is not running yet; print the UI and dashboard URLs"))
+    up = with_home(ssub.add_parser(
+        "up", help="start what is not running yet; print the UI and dashboard URLs",
+        description="Start, on 127.0.0.1, whatever of the stack is not running yet (Prefect server, "
+        "Dask scheduler and workers, work pool and deployments, Prefect worker) and print the "
+        "Prefect UI and Dask dashboard URLs. Running it again reuses what runs."))
     up.add_argument("--prefect-port", type=int, default=4200, help="Prefect server and UI port (default 4200)")
     up.add_argument("--scheduler-port", type=int, default=8786, help="Dask scheduler port (default 8786)")
     up.add_argument("--dashboard-port", type=int, default=8787, help="Dask dashboard port (default 8787)")
     up.add_argument("--workers", type=int, default=2,
                     help="Dask CPU worker processes (default 2; with GPUs: one worker per GPU)")
     up.set_defaults(fn=cmd_up)
-    down = with_home(ssub.add_parser("down", help="stop every process the stack started"))
+    down = with_home(ssub.add_parser(
+        "down", help="stop every process the stack started",
+        description="Stop exactly the process groups recorded in <home>/stack.json (flow runs "
+        f"included): SIGTERM, then SIGKILL after {STOP_TIMEOUT} s."))
     down.set_defaults(fn=cmd_down)
-    status = with_home(ssub.add_parser("status", help="what runs (pid, URL, alive); exit 1 if not all of it"))
+    status = with_home(ssub.add_parser(
+        "status", help="what runs (pid, URL, alive); exit 1 if not all of it",
+        description="Print each component of the stack (running / not answering / dead, pid, URL); "
+        "exit 1 unless all of them run."))
     status.set_defaults(fn=cmd_status)

@@ -118,30 +118,34 @@ PRESETS: dict[str, dict] = {
         algo="mappo", env_id="mpe:simple_spread", total_env_steps=2_000_000, n_collectors=1,
         envs_per_collector=128, steps_per_region=128, buffer_steps=1_024,
         eval_every=10, checkpoint_every=20,
-        algo_overrides=dict(hidden=128, lr=2e-3, anneal_lr_iterations=123, epochs=4,
-                            minibatches=4, clip_eps=0.2, ent_coef=0.01, max_grad_norm=0.5),
+        algo_overrides=dict(hidden=128, activation="relu", lr=2e-3, anneal_lr_iterations=123,
+                            epochs=4, minibatches=4, clip_eps=0.2, ent_coef=0.01,
+                            max_grad_norm=0.5),
     ),
     "ippo-mpe": dict(
         algo="ippo", env_id="mpe:simple_spread", total_env_steps=2_000_000, n_collectors=1,
         envs_per_collector=128, steps_per_region=128, buffer_steps=1_024,
         eval_every=10, checkpoint_every=20,
-        algo_overrides=dict(hidden=128, lr=2e-3, anneal_lr_iterations=123, epochs=4,
-                            minibatches=4, clip_eps=0.2, ent_coef=0.01, max_grad_norm=0.5),
+        algo_overrides=dict(hidden=128, activation="relu", lr=2e-3, anneal_lr_iterations=123,
+                            epochs=4, minibatches=4, clip_eps=0.2, ent_coef=0.01,
+                            max_grad_norm=0.5),
     ),
+    # JaxMARL's SMAX PPO settings (relu, clip 0.05, grad-norm 0.25, 4 x 4), lr 2e-3 constant,
+    # 64 envs x 128 steps per update: greedy test win >= 0.9 on 3m near 1.1M env steps
     "mappo-smax": dict(
         algo="mappo", env_id="smax:3m", total_env_steps=3_000_000, n_collectors=1,
         envs_per_collector=64, steps_per_region=128, buffer_steps=1_024,
         eval_every=10, checkpoint_every=20,
-        algo_overrides=dict(hidden=128, activation="relu", lr=1e-3, epochs=4, minibatches=4,
-                            clip_eps=0.2, ent_coef=0.01, max_grad_norm=0.5),
+        algo_overrides=dict(hidden=128, activation="relu", lr=2e-3, epochs=4, minibatches=4,
+                            clip_eps=0.05, ent_coef=0.01, max_grad_norm=0.25),
     ),
     # PettingZoo's simple_spread stepped in numpy on CPU workers, same learner as mappo-mpe
     "mappo-pz-spread": dict(
         algo="mappo", env_id="pz:mpe2.simple_spread_v3", total_env_steps=500_000, n_collectors=2,
         envs_per_collector=32, steps_per_region=128, buffer_steps=1_024,
         eval_every=10, eval_episodes=32, checkpoint_every=20,
-        algo_overrides=dict(hidden=128, lr=2e-3, epochs=4, minibatches=4, clip_eps=0.2,
-                            ent_coef=0.01, max_grad_norm=0.5),
+        algo_overrides=dict(hidden=128, activation="relu", lr=2e-3, epochs=4, minibatches=4,
+                            clip_eps=0.2, ent_coef=0.01, max_grad_norm=0.5),
     ),
     # a few thousand steps end to end, for tests and smoke runs
     "mappo-mpe-tiny": dict(
@@ -152,14 +156,15 @@ PRESETS: dict[str, dict] = {
     ),
     # MADDPG (marl/maddpg.py) on continuous-action simple spread, PARL's MADDPG MPE setup:
     # lr 1e-2, gamma 0.95, tau 0.01, batch 1024, 64-unit MLPs, ~1e5-transition replay,
-    # learning after 25.6k steps, one update per 100 env steps (32 per 64 x 50 region).
+    # learning after 25.6k steps, one update per 100 env steps (32 per 64 x 50 region);
+    # MPE episodes end only at the time limit, so the critic bootstraps through it.
     # max_steps=24: jaxmarl's episodes run max_steps + 1 steps, so these are PARL's 25
     "maddpg-mpe": dict(
         algo="maddpg", env_id="mpe:simple_spread",
         env_kwargs={"action_type": "Continuous", "max_steps": 24}, total_env_steps=2_500_000,
         envs_per_collector=64, steps_per_region=50, buffer_steps=1_600,
         eval_every=10, eval_episodes=128, checkpoint_every=20,
-        algo_overrides=dict(updates_per_region=32, learning_starts=25_600),
+        algo_overrides=dict(updates_per_region=32, learning_starts=25_600, time_limit_bootstrap=True),
     ),
     # a few thousand steps end to end, for tests and smoke runs
     "maddpg-mpe-tiny": dict(
@@ -167,7 +172,8 @@ PRESETS: dict[str, dict] = {
         env_kwargs={"action_type": "Continuous", "max_steps": 24}, total_env_steps=1_600,
         n_collectors=2, envs_per_collector=8, steps_per_region=25, buffer_steps=200,
         eval_every=2, eval_episodes=8, checkpoint_every=2,
-        algo_overrides=dict(hidden=16, batch_size=64, updates_per_region=2, learning_starts=200),
+        algo_overrides=dict(hidden=16, batch_size=64, updates_per_region=2, learning_starts=200,
+                            time_limit_bootstrap=True),
     ),
 }
 

@@ -1,0 +1,321 @@
+"""MADDPG (Lowe et al., 2017): deterministic per-agent actors on local observations, trained
+through centralised critics Q_i(all observations, all actions), one per agent.
+
+Reads top to bottom:
+
+    config -> networks -> actions (continuous / Gumbel-softmax) -> acting -> losses -> update
+
+Every agent has its own actor and its own critic (separate parameters, stacked along a
+leading agent axis and applied with `vmap`), as in the original algorithm; with
+`share_params` one actor and one critic serve all agents, told apart by a one-hot id. Continuous
+actions are tanh outputs mapped to the env's bounds, explored with clipped Gaussian noise
+whose scale decays with env steps. Discrete actions use the straight-through
+Gumbel-softmax: a hard one-hot forward, the soft sample's gradient backward; unavailable
+actions get a logit of -1e9, so they are never chosen. Targets use target actors and
+critics that follow the online ones by Polyak averaging (tau).
+
+Training data are (s, a, r, done, s') transitions: windows of two steps sampled from the
+replay ring. The store records obs and actions at step t and the reward/done of the step t
+led to; after a done the next obs are the reset obs, so the bootstrap is masked by done
+(or, with `time_limit_bootstrap`, where a done is only a time limit, that transition is
+left out and the critic bootstraps through the limit).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import optax
+
+from marl import buffer
+from marl.envs import EnvSpec
+from marl.learner import Learner
+
+MASKED_LOGIT = -1e9  # an unavailable discrete action's logit: zero probability, never argmax
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    hidden: int = 64  # two hidden layers, actors and critics
+    actor_lr: float = 1e-2
+    critic_lr: float = 1e-2
+    gamma: float = 0.95
+    tau: float = 0.01  # Polyak rate: target <- (1 - tau) target + tau online, every update
+    max_grad_norm: float = 0.5  # per agent, as PARL
+    batch_size: int = 1024  # transitions per update
+    updates_per_region: int = 32  # gradient updates per newly collected region
+    learning_starts: int = 25_600  # env steps in the store before the first update
+    actor_reg: float = 1e-3  # weight of the squared pre-activation penalty (PARL, OpenAI)
+    # continuous exploration: Gaussian noise, std in units of half the action range, decayed
+    # linearly from noise_start to noise_end over noise_decay_steps env steps, then clipped
+    noise_start: float = 0.3
+    noise_end: float = 0.05
+    noise_decay_steps: int = 500_000
+    gumbel_temperature: float = 1.0  # discrete actions
+    # one actor and one critic for all agents, told apart by a one-hot agent id (each
+    # network then learns from every agent's transitions); False: one per agent (original)
+    share_params: bool = False
+    # True where episodes end only at a time limit (MPE): dones are truncations, so the
+    # critic bootstraps through every other step (observations carry no clock, so value
+    # targets that drop to zero at step 25 cannot be fitted) and the transitions that end
+    # an episode, whose next obs are already the reset obs, are left out of the loss.
+    # False: a done is a terminal state and zeroes the bootstrap (SMAX)
+    time_limit_bootstrap: bool = False
+
+
+# --------------------------------------------------------------------------- networks
+
+
+class MLP(nn.Module):
+    """Two ReLU layers and a linear head: the actor (obs -> action) and critic (-> Q)."""
+
+    hidden: int
+    out: int
+
+    @nn.compact
+    def __call__(self, x):
+        x = nn.relu(nn.Dense(self.hidden)(x))
+        x = nn.relu(nn.Dense(self.hidden)(x))
+        return nn.Dense(self.out)(x)
+
+
+def polyak(target, online, tau: float):
+    """The target networks' soft update: (1 - tau) * target + tau * online, leaf by leaf."""
+    return jax.tree.map(lambda t, o: (1.0 - tau) * t + tau * o, target, online)
+
+
+def masked_logits(logits, avail):
+    return jnp.where(avail, logits, MASKED_LOGIT)
+
+
+def gumbel_straight_through(key, logits, avail, temperature: float = 1.0):
+    """A hard one-hot Gumbel-softmax sample over the available actions whose gradient is
+    the soft sample's (straight-through)."""
+    g = jax.random.gumbel(key, logits.shape)
+    soft = jax.nn.softmax((masked_logits(logits, avail) + g) / temperature)
+    hard = jax.nn.one_hot(jnp.argmax(soft, axis=-1), logits.shape[-1])
+    return hard + soft - jax.lax.stop_gradient(soft)
+
+
+def transitions(windows):
+    """[B, L] windows -> (s, a, r, done, s') over their first L-1 steps, flattened to [B(L-1)]."""
+    now = lambda x: x[:, :-1].reshape(-1, *x.shape[2:])
+    nxt = lambda x: x[:, 1:].reshape(-1, *x.shape[2:])
+    return {"obs": now(windows["obs"]), "action": now(windows["action"]),
+            "avail": now(windows["avail_actions"]), "reward": now(windows["reward"]),
+            "done": now(windows["done"]).astype(jnp.float32),
+            "next_obs": nxt(windows["obs"]), "next_avail": nxt(windows["avail_actions"])}
+
+
+def make_learner(spec: EnvSpec, config: Config):
+    n_agents, discrete = spec.n_agents, spec.discrete
+    act_size = spec.n_actions if discrete else spec.action_dim
+    actor = MLP(config.hidden, act_size)
+    critic = MLP(config.hidden, 1)
+    low, high = spec.action_low, spec.action_high
+    # networks live stacked on a leading axis; agent i uses network net_of[i]
+    n_nets = 1 if config.share_params else n_agents
+    net_of = jnp.zeros(n_agents, jnp.int32) if config.share_params else jnp.arange(n_agents)
+    agent_ids = jnp.eye(n_agents) if config.share_params else jnp.zeros((n_agents, 0))
+    joint_size = n_agents * (spec.obs_dim + act_size)
+
+    def per_agent(params):
+        """Each agent's network parameters, [agent, ...] (shared ones gathered n times, so
+        their gradients sum over agents)."""
+        return jax.tree.map(lambda p: p[net_of], params)
+
+    def clipped_adam(lr):
+        return optax.chain(optax.clip_by_global_norm(config.max_grad_norm), optax.adam(lr))
+
+    actor_opt, critic_opt = clipped_adam(config.actor_lr), clipped_adam(config.critic_lr)
+
+    def init_carry(n_envs):
+        return jnp.zeros((n_envs, 0), jnp.float32)  # feed-forward: no memory
+
+    def init(key) -> dict:
+        k_actor, k_critic, key = jax.random.split(key, 3)
+        obs = jnp.zeros((1, spec.obs_dim + agent_ids.shape[1]))
+        joint = jnp.zeros((1, joint_size + agent_ids.shape[1]))
+        params = {
+            "actor": jax.vmap(actor.init, (0, None))(jax.random.split(k_actor, n_nets), obs),
+            "critic": jax.vmap(critic.init, (0, None))(jax.random.split(k_critic, n_nets), joint),
+        }
+        return {"params": params, "target_params": params,
+                "actor_opt": jax.vmap(actor_opt.init)(params["actor"]),
+                "critic_opt": jax.vmap(critic_opt.init)(params["critic"]),
+                "updates": jnp.array(0, jnp.int32), "key": key}
+
+    # ------------------------------------------------------------------------ actions
+
+    def to_env(u):
+        """[-1, 1] (tanh) -> the env's [low, high]."""
+        return low + (u + 1.0) * 0.5 * (high - low)
+
+    def from_env(a):
+        return 2.0 * (a - low) / (high - low) - 1.0
+
+    def actor_outputs(actor_params, obs):
+        """obs [..., agent, obs_dim] -> each agent's actor output [..., agent, act_size]."""
+        ids = jnp.broadcast_to(agent_ids, (*obs.shape[:-1], agent_ids.shape[1]))
+        x = jnp.concatenate([obs, ids], axis=-1)
+        return jax.vmap(actor.apply, in_axes=(0, -2), out_axes=-2)(per_agent(actor_params), x)
+
+    def policy_actions(actor_params, obs, avail, key):
+        """What the actors do in training (critic inputs): [..., agent, act_size], and the
+        actors' raw outputs (for the regulariser)."""
+        out = actor_outputs(actor_params, obs)
+        if discrete:
+            return gumbel_straight_through(key, out, avail, config.gumbel_temperature), out
+        return jnp.tanh(out), out
+
+    def critic_actions(action):
+        """Stored actions as critic inputs: one-hot (discrete) or scaled to [-1, 1]."""
+        if discrete:
+            return jax.nn.one_hot(action, act_size)
+        return from_env(action)
+
+    def critic_q(p, agent_id, obs, actions):
+        """One agent's Q(all obs, all actions): obs [B, agent, obs], actions [B, agent, act] -> [B]."""
+        batch = obs.shape[0]
+        x = jnp.concatenate([obs.reshape(batch, -1), actions.reshape(batch, -1),
+                             jnp.broadcast_to(agent_id, (batch, agent_id.shape[0]))], axis=-1)
+        return critic.apply(p, x)[..., 0]
+
+    def q_values(critic_params, obs, actions):
+        """Q_i(all obs, all actions) for every agent i -> [B, agent]."""
+        q = jax.vmap(critic_q, in_axes=(0, 0, None, None))(per_agent(critic_params), agent_ids, obs, actions)
+        return jnp.moveaxis(q, 0, -1)
+
+    # ------------------------------------------------------------------------ acting
+
+    def act(params, carry, obs, avail, reset, key, explore):
+        """params are the actors'. Continuous: tanh + clipped Gaussian noise of std
+        explore["noise_std"]; discrete: a Gumbel-max sample over available actions when
+        explore["sample"] > 0, else the greedy available action."""
+        out = actor_outputs(params, obs)
+        if discrete:
+            logits = masked_logits(out, avail)
+            g = jax.random.gumbel(key, logits.shape) * (explore["sample"] > 0)
+            actions = jnp.argmax(logits / config.gumbel_temperature + g, axis=-1).astype(jnp.int32)
+            return actions, carry, {}
+        noise = explore["noise_std"] * jax.random.normal(key, out.shape)
+        u = jnp.clip(jnp.tanh(out) + noise, -1.0, 1.0)
+        return to_env(u).astype(jnp.float32), carry, {}
+
+    def policy_params(train_state):
+        return train_state["params"]["actor"]
+
+    def exploration(env_steps):
+        frac = jnp.clip(env_steps / config.noise_decay_steps, 0.0, 1.0)
+        std = config.noise_start + frac * (config.noise_end - config.noise_start)
+        return {"noise_std": jnp.float32(std), "sample": jnp.float32(1.0)}
+
+    greedy = {"noise_std": jnp.float32(0.0), "sample": jnp.float32(0.0)}
+
+    # ------------------------------------------------------------------------ losses
+
+    def td_terms(params, target_params, batch, key):
+        """Q_i of the stored actions, their one-step targets and the weight of each
+        transition in the loss, [B, agent] each (see time_limit_bootstrap)."""
+        next_actions, _ = policy_actions(target_params["actor"], batch["next_obs"],
+                                         batch["next_avail"], key)
+        next_q = q_values(target_params["critic"], batch["next_obs"], next_actions)
+        done = batch["done"][:, None]
+        if config.time_limit_bootstrap:
+            target, weight = batch["reward"] + config.gamma * next_q, jnp.broadcast_to(1.0 - done, next_q.shape)
+        else:
+            target, weight = batch["reward"] + config.gamma * (1.0 - done) * next_q, jnp.ones_like(next_q)
+        q = q_values(params["critic"], batch["obs"], critic_actions(batch["action"]))
+        return q, jax.lax.stop_gradient(target), weight
+
+    def critic_loss(critic_params, params, target_params, batch, key):
+        q, target, weight = td_terms({**params, "critic": critic_params}, target_params, batch, key)
+        td = q - target
+        loss = jnp.sum(weight * td**2) / jnp.maximum(weight.sum(), 1.0)
+        return loss, {"critic_loss": loss, "q": q.mean(),
+                      "td_abs": jnp.sum(weight * jnp.abs(td)) / jnp.maximum(weight.sum(), 1.0)}
+
+    def actor_loss(actor_params, critic_params, batch, key):
+        """-Q_i with agent i's action from its actor and the others' from the replay."""
+        new, raw = policy_actions(actor_params, batch["obs"], batch["avail"], key)
+        stored = critic_actions(batch["action"])
+        own = jnp.eye(n_agents, dtype=bool)[:, None, :, None]  # [agent i, 1, agent j, 1]
+        joint = jnp.where(own, new[None], stored[None])  # [agent i, B, agent j, act]
+
+        critics = per_agent(jax.lax.stop_gradient(critic_params))
+        q = jax.vmap(critic_q, in_axes=(0, 0, None, 0))(critics, agent_ids, batch["obs"], joint)  # [agent, B]
+        if discrete:  # penalise only the available actions' logits
+            raw = jnp.where(batch["avail"], raw, 0.0)
+        reg = jnp.mean(raw**2)
+        loss = -q.mean() + config.actor_reg * reg
+        return loss, {"actor_loss": loss, "actor_q": q.mean()}
+
+    loss_fn = critic_loss
+
+    # ------------------------------------------------------------------------ update
+
+    def apply_per_network(optimizer, grads, opt_state, params):
+        """Each network's gradients are clipped and applied on their own (vmap over networks)."""
+        updates, opt_state = jax.vmap(optimizer.update)(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
+
+    def update(train_state, windows):
+        """One critic and one actor step on a batch of transitions, then the soft target update."""
+        key, k_target, k_actor = jax.random.split(train_state["key"], 3)
+        params, target_params = train_state["params"], train_state["target_params"]
+        batch = transitions(windows)
+        # the sum over agents gives each agent's network the gradient of its own loss
+        c_grads, c_metrics = jax.grad(critic_loss, has_aux=True)(
+            params["critic"], params, target_params, batch, k_target)
+        new_critic, critic_opt_state = apply_per_network(critic_opt, c_grads, train_state["critic_opt"],
+                                                       params["critic"])
+        a_grads, a_metrics = jax.grad(actor_loss, has_aux=True)(params["actor"], new_critic, batch, k_actor)
+        new_actor, actor_opt_state = apply_per_network(actor_opt, a_grads, train_state["actor_opt"],
+                                                     params["actor"])
+        params = {"actor": new_actor, "critic": new_critic}
+        metrics = {**c_metrics, **a_metrics, "loss": c_metrics["critic_loss"],
+                   "critic_grad_norm": optax.global_norm(c_grads),
+                   "actor_grad_norm": optax.global_norm(a_grads)}
+        return {**train_state, "params": params, "target_params": polyak(target_params, params, config.tau),
+                "actor_opt": actor_opt_state, "critic_opt": critic_opt_state,
+                "updates": train_state["updates"] + 1, "key": key}, metrics
+
+    def train(train_state, arrays, valid, n_updates: int):
+        """n_updates of (sample 2-step windows from the ring mirror, update), in one scan."""
+
+        def body(state, _):
+            key, sample_key = jax.random.split(state["key"])
+            windows = buffer.sample_windows(sample_key, arrays, valid, config.batch_size, 2)
+            return update({**state, "key": key}, windows)
+
+        train_state, metrics = jax.lax.scan(body, train_state, None, n_updates)
+        return train_state, jax.tree.map(jnp.mean, metrics)
+
+    # --------------------------------------------------------------------- reanalysis
+
+    @jax.jit
+    def score_arrays(train_state, windows):
+        batch_size, length = windows["done"].shape
+        q, target, weight = td_terms(train_state["params"], train_state["target_params"],
+                                     transitions(windows), jax.random.PRNGKey(0))
+        last = {k: v[:, -1] for k, v in windows.items()}
+        q_last = q_values(train_state["params"]["critic"], last["obs"], critic_actions(last["action"]))
+        q_taken = jnp.concatenate([q.reshape(batch_size, length - 1, n_agents), q_last[:, None]], axis=1)
+        td = jnp.where(weight > 0, q - target, jnp.nan).reshape(batch_size, length - 1, n_agents)
+        td = jnp.concatenate([td, jnp.full_like(td[:, :1], jnp.nan)], axis=1)
+        return {"q_taken": q_taken, "td_error": td}
+
+    def score(train_state, windows):
+        """Per-agent Q_i of the stored actions and TD errors of stored windows [B, L]
+        (NaN where there is no target: the last step, and episode ends under
+        time_limit_bootstrap), each with its dims after (step, env)."""
+        return {k: (v, ("agent",)) for k, v in score_arrays(train_state, windows).items()}
+
+    return Learner(
+        name="maddpg", config=config, spec=spec, init=jax.jit(init), act=act,
+        init_carry=init_carry, policy_params=policy_params, exploration=exploration,
+        greedy=greedy, update=jax.jit(update), train=jax.jit(train, static_argnums=3),
+        score=score, loss_fn=loss_fn, agent=actor)

@@ -1,0 +1,405 @@
+"""MAPPO (Yu et al., 2022) and IPPO (de Witt et al., 2020): PPO with one actor shared by
+all agents, the critic being the difference between them:
+
+    central (MAPPO)  the critic sees the global state (plus the agent's one-hot id) and
+                     gives one value per agent and env step
+    local   (IPPO)   the critic sees only the agent's own observation (plus its id)
+
+Reads top to bottom:
+
+    config -> networks -> action distributions -> acting -> GAE -> loss -> train -> score
+
+The actor is feed-forward, or recurrent (a GRU) with `recurrent=True`. Discrete actions
+are a masked categorical (an unavailable action has probability 0, so it is never
+sampled); continuous actions are a diagonal Gaussian with a state-independent log-std,
+clipped to [action_low, action_high] for the env while the stored `action_raw` keeps the
+unclipped sample that the log-probability belongs to.
+
+On-policy data goes through the replay store like any other: each collect writes a region
+[T, N] with the behaviour log-probability `logp` (and the actor's hidden state `actor_h`
+when recurrent) beside each step, and the train stage hands exactly those regions to
+`train`, which runs `epochs` x `minibatches` clipped-surrogate updates over envs. Values
+are recomputed at train time with the current critic, which is the critic that acted:
+the train stage runs right after the collect, with the same parameters.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax.linen.initializers import constant, orthogonal
+
+from marl.envs import EnvSpec
+from marl.learner import Learner
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    critic: str = "central"  # "central" (MAPPO: global state) or "local" (IPPO: own obs)
+    recurrent: bool = False  # GRU actor; its hidden state is stored per step as `actor_h`
+    hidden: int = 64
+    activation: str = "tanh"  # "tanh" or "relu"
+    lr: float = 5e-4
+    # linear decay of the learning rate to 0 over this many train calls (0: constant)
+    anneal_lr_iterations: int = 0
+    gamma: float = 0.99
+    gae_lambda: float = 0.95
+    clip_eps: float = 0.2  # surrogate ratio clip
+    value_clip_eps: float = 0.2  # value clip around the values before the update
+    ent_coef: float = 0.01
+    vf_coef: float = 0.5
+    max_grad_norm: float = 0.5  # per network (actor and critic have their own optimiser)
+    epochs: int = 4  # passes over each collected batch
+    minibatches: int = 4  # per epoch, split over envs (must divide envs x collectors)
+    log_std_init: float = 0.0  # continuous actions: initial log standard deviation
+
+
+CRITICS = ("central", "local")
+ACTIVATIONS = {"tanh": nn.tanh, "relu": nn.relu}
+MASKED = -1e9  # logit of an unavailable action: probability exactly 0 in float32, no NaN
+
+
+# --------------------------------------------------------------------------- networks
+
+
+class Actor(nn.Module):
+    """obs + agent id -> Dense -> (GRU) -> Dense -> logits (discrete) or mean (continuous).
+
+    The caller zeroes the GRU memory where an episode starts, so the stored hidden state
+    is exactly what the actor saw."""
+
+    hidden: int
+    n_out: int
+    activation: str
+    recurrent: bool
+    continuous: bool
+    log_std_init: float
+
+    @nn.compact
+    def __call__(self, carry, x):
+        act = ACTIVATIONS[self.activation]
+        h = act(nn.Dense(self.hidden, kernel_init=orthogonal(np.sqrt(2)), bias_init=constant(0.0))(x))
+        if self.recurrent:
+            carry, h = nn.GRUCell(self.hidden)(carry, h)
+        h = act(nn.Dense(self.hidden, kernel_init=orthogonal(np.sqrt(2)), bias_init=constant(0.0))(h))
+        out = nn.Dense(self.n_out, kernel_init=orthogonal(0.01), bias_init=constant(0.0))(h)
+        log_std = (self.param("log_std", constant(self.log_std_init), (self.n_out,))
+                   if self.continuous else jnp.zeros(()))
+        return carry, out, log_std
+
+
+class Critic(nn.Module):
+    """critic input -> Dense -> Dense -> one value."""
+
+    hidden: int
+    activation: str
+
+    @nn.compact
+    def __call__(self, x):
+        act = ACTIVATIONS[self.activation]
+        h = act(nn.Dense(self.hidden, kernel_init=orthogonal(np.sqrt(2)), bias_init=constant(0.0))(x))
+        h = act(nn.Dense(self.hidden, kernel_init=orthogonal(np.sqrt(2)), bias_init=constant(0.0))(h))
+        return nn.Dense(1, kernel_init=orthogonal(1.0), bias_init=constant(0.0))(h)[..., 0]
+
+
+def with_agent_ids(x, n_agents: int):
+    """x [..., agent, d] + each agent's one-hot id, so one shared network tells agents apart."""
+    ids = jnp.broadcast_to(jnp.eye(n_agents, dtype=x.dtype), (*x.shape[:-2], n_agents, n_agents))
+    return jnp.concatenate([x, ids], axis=-1)
+
+
+# --------------------------------------------------------------- action distributions
+
+
+def masked_logits(logits, avail):
+    return jnp.where(avail, logits, MASKED)
+
+
+def categorical_log_prob(logits, action):
+    logp = jax.nn.log_softmax(logits)
+    return jnp.take_along_axis(logp, action[..., None].astype(jnp.int32), axis=-1)[..., 0]
+
+
+def categorical_entropy(logits, avail):
+    logp = jax.nn.log_softmax(logits)
+    return -jnp.sum(jnp.where(avail, jnp.exp(logp) * logp, 0.0), axis=-1)
+
+
+def gaussian_log_prob(mean, log_std, x):
+    z = (x - mean) * jnp.exp(-log_std)
+    return jnp.sum(-0.5 * z**2 - log_std - 0.5 * math.log(2 * math.pi), axis=-1)
+
+
+def gaussian_entropy(mean, log_std):
+    return jnp.sum(jnp.broadcast_to(log_std + 0.5 * (1.0 + math.log(2 * math.pi)), mean.shape), axis=-1)
+
+
+# ------------------------------------------------------------------------------- GAE
+
+
+def gae(reward, done, value, gamma: float, lam: float):
+    """Generalised advantage estimates along axis 1.
+
+    reward [B, L, ...] and done [B, L] of transitions t = 0..L-1 (done[t]: step t ended
+    its episode, so value[t + 1] belongs to the next episode and is not bootstrapped),
+    value [B, L + 1, ...]. Returns (advantages, value targets), each [B, L, ...]:
+        delta_t = r_t + gamma (1 - d_t) V_{t+1} - V_t
+        A_t     = delta_t + gamma lam (1 - d_t) A_{t+1}
+    """
+    done = done.astype(jnp.float32).reshape(done.shape + (1,) * (reward.ndim - done.ndim))
+    not_done = 1.0 - jnp.broadcast_to(done, reward.shape)
+    delta = reward + gamma * not_done * value[:, 1:] - value[:, :-1]
+
+    def step(next_adv, inputs):
+        d, nd = inputs
+        adv = d + gamma * lam * nd * next_adv
+        return adv, adv
+
+    xs = jax.tree.map(lambda x: jnp.swapaxes(x, 0, 1), (delta, not_done))
+    _, adv = jax.lax.scan(step, jnp.zeros_like(xs[0][0]), xs, reverse=True)
+    adv = jnp.swapaxes(adv, 0, 1)
+    return adv, adv + value[:, :-1]
+
+
+# ---------------------------------------------------------------------------- learner
+
+
+def make_learner(spec: EnvSpec, config: Config):
+    if config.critic not in CRITICS:
+        raise ValueError(f"unknown critic {config.critic!r}; valid: {', '.join(CRITICS)} "
+                         "(central = MAPPO, local = IPPO)")
+    if config.activation not in ACTIVATIONS:
+        raise ValueError(f"unknown activation {config.activation!r}; valid: {', '.join(ACTIVATIONS)}")
+    n_agents, discrete = spec.n_agents, spec.discrete
+    n_out = spec.n_actions if discrete else spec.action_dim
+    actor = Actor(config.hidden, n_out, config.activation, config.recurrent, not discrete,
+                  config.log_std_init)
+    critic = Critic(config.hidden, config.activation)
+    updates_per_call = config.epochs * config.minibatches
+
+    def lr_schedule(count):
+        if config.anneal_lr_iterations <= 0:
+            return config.lr
+        done_calls = count // updates_per_call
+        return config.lr * jnp.maximum(0.0, 1.0 - done_calls / config.anneal_lr_iterations)
+
+    def optimizer():
+        return optax.chain(optax.clip_by_global_norm(config.max_grad_norm),
+                           optax.adam(lr_schedule, eps=1e-5))
+
+    actor_opt, critic_opt = optimizer(), optimizer()
+
+    def init_carry(n_envs):
+        # a feed-forward actor carries nothing (one placeholder per env)
+        return jnp.zeros((n_envs, n_agents, config.hidden) if config.recurrent else (n_envs,))
+
+    def critic_input(obs, state):
+        """[..., agent, obs_dim] and [..., state_dim] -> the critic's [..., agent, in]."""
+        if config.critic == "local":
+            return with_agent_ids(obs, n_agents)
+        shared = jnp.broadcast_to(state[..., None, :], (*obs.shape[:-1], state.shape[-1]))
+        return with_agent_ids(shared, n_agents)
+
+    def init(key) -> dict:
+        k_actor, k_critic, key = jax.random.split(key, 3)
+        obs = jnp.zeros((1, n_agents, spec.obs_dim))
+        carry = jnp.zeros((1, n_agents, config.hidden))
+        params = {"actor": actor.init(k_actor, carry, with_agent_ids(obs, n_agents)),
+                  "critic": critic.init(k_critic, critic_input(obs, jnp.zeros((1, spec.state_dim))))}
+        return {"params": params, "actor_opt": actor_opt.init(params["actor"]),
+                "critic_opt": critic_opt.init(params["critic"]),
+                "updates": jnp.array(0, jnp.int32), "key": key}
+
+    # ---------------------------------------------------------------------- acting
+
+    def act(params, carry, obs, avail, reset, key, explore):
+        """Samples (or, with explore["greedy"], takes the mode of) each agent's action.
+
+        Extras stored per step: the behaviour log-probability of the action taken, the
+        unclipped Gaussian sample (continuous) and the actor memory it started from
+        (recurrent)."""
+        if config.recurrent:
+            carry = jnp.where(reset[:, None, None], 0.0, carry)
+        start_carry = carry
+        carry, out, log_std = actor.apply(params, carry, with_agent_ids(obs, n_agents))
+        if not config.recurrent:
+            carry = start_carry
+        extras = {}
+        if discrete:
+            logits = masked_logits(out, avail)
+            sampled = jax.random.categorical(key, logits)
+            action = jnp.where(explore["greedy"], jnp.argmax(logits, axis=-1), sampled).astype(jnp.int32)
+            extras["logp"] = categorical_log_prob(logits, action)
+        else:
+            noise = jax.random.normal(key, out.shape)
+            raw = jnp.where(explore["greedy"], out, out + jnp.exp(log_std) * noise)
+            extras["logp"] = gaussian_log_prob(out, log_std, raw)
+            extras["action_raw"] = raw
+            action = jnp.clip(raw, spec.action_low, spec.action_high)
+        if config.recurrent:
+            extras["actor_h"] = start_carry
+        return action, carry, extras
+
+    extra_fields = {"logp": ((n_agents,), "float32", ("agent",))}
+    if not discrete:
+        extra_fields["action_raw"] = ((n_agents, spec.action_dim), "float32", ("agent", "act_dim"))
+    if config.recurrent:
+        extra_fields["actor_h"] = ((n_agents, config.hidden), "float32", ("agent", "hidden"))
+
+    def policy_params(train_state):
+        return train_state["params"]["actor"]
+
+    def exploration(env_steps):
+        return {"greedy": jnp.array(False)}
+
+    greedy = {"greedy": jnp.array(True)}
+
+    # ------------------------------------------------------------ along sequences
+
+    def actor_outputs(actor_params, batch):
+        """Actor outputs along sequences [B, L]: (out [B, L, agent, n_out], log_std).
+
+        A recurrent actor unrolls from the stored memory at each sequence's first step,
+        zeroing it after every episode end inside the sequence, as the collector did."""
+        x = with_agent_ids(batch["obs"], n_agents)
+        if not config.recurrent:
+            _, out, log_std = actor.apply(actor_params, jnp.zeros(()), x)
+            return out, log_std
+        done = batch["done"]
+        reset = jnp.concatenate([jnp.zeros_like(done[:, :1]), done[:, :-1]], axis=1)
+
+        def step(carry, inputs):
+            x_t, reset_t = inputs
+            carry = jnp.where(reset_t[:, None, None], 0.0, carry)
+            carry, out, log_std = actor.apply(actor_params, carry, x_t)
+            return carry, (out, log_std)
+
+        time_major = lambda a: jnp.swapaxes(a, 0, 1)
+        _, (out, log_std) = jax.lax.scan(step, batch["actor_h"][:, 0], (time_major(x), time_major(reset)))
+        return time_major(out), log_std[0]
+
+    def log_prob_and_entropy(actor_params, batch):
+        out, log_std = actor_outputs(actor_params, batch)
+        if discrete:
+            logits = masked_logits(out, batch["avail_actions"])
+            return (categorical_log_prob(logits, batch["action"]),
+                    categorical_entropy(logits, batch["avail_actions"]))
+        return (gaussian_log_prob(out, log_std, batch["action_raw"]),
+                gaussian_entropy(out, log_std))
+
+    def values(critic_params, batch):
+        return critic.apply(critic_params, critic_input(batch["obs"], batch["state"]))
+
+    # ------------------------------------------------------------------------ loss
+
+    def prepare(old_params, batch):
+        """Advantages and value targets of sequences [B, T] with the critic that acted.
+
+        The last step of each sequence has no next observation here (it is the first
+        step of the next region), so its transition is dropped from the loss and its
+        value only bootstraps step T-2: targets cover steps 0..T-2."""
+        value = jax.lax.stop_gradient(values(old_params["critic"], batch))  # [B, T, agent]
+        adv, targets = gae(batch["reward"][:, :-1], batch["done"][:, :-1], value,
+                           config.gamma, config.gae_lambda)
+        return {**batch, "advantage": adv, "target": targets, "value_old": value[:, :-1]}
+
+    def ppo_loss(params, batch):
+        """The PPO loss of prepared sequences (see `prepare`) and its parts."""
+        logp, entropy = log_prob_and_entropy(params["actor"], batch)
+        logp, entropy = logp[:, :-1], entropy[:, :-1]
+        log_ratio = logp - batch["logp"][:, :-1]
+        ratio = jnp.exp(log_ratio)
+        adv = batch["advantage"]
+        adv = (adv - adv.mean()) / (adv.std() + 1e-8)
+        clipped = jnp.clip(ratio, 1.0 - config.clip_eps, 1.0 + config.clip_eps)
+        actor_loss = -jnp.mean(jnp.minimum(ratio * adv, clipped * adv))
+        value = values(params["critic"], batch)[:, :-1]
+        old = batch["value_old"]
+        value_clipped = old + jnp.clip(value - old, -config.value_clip_eps, config.value_clip_eps)
+        value_loss = 0.5 * jnp.mean(jnp.maximum((value - batch["target"]) ** 2,
+                                                (value_clipped - batch["target"]) ** 2))
+        entropy = entropy.mean()
+        loss = actor_loss - config.ent_coef * entropy + config.vf_coef * value_loss
+        return loss, {"loss": loss, "actor_loss": actor_loss, "value_loss": value_loss,
+                      "entropy": entropy, "approx_kl": jnp.mean((ratio - 1.0) - log_ratio),
+                      "clip_frac": jnp.mean(jnp.abs(ratio - 1.0) > config.clip_eps)}
+
+    def loss_fn(params, old_params, batch):
+        """The PPO loss of `params` on sequences that `old_params` collected (they give the
+        advantages and the values to clip around, like QMIX's target params)."""
+        return ppo_loss(params, prepare(old_params, batch))
+
+    def update(train_state, batch):
+        """One gradient step on a prepared minibatch; actor and critic have their own
+        optimiser (and grad-norm clip), as in MAPPO."""
+        grads, metrics = jax.grad(ppo_loss, has_aux=True)(train_state["params"], batch)
+        params = train_state["params"]
+        a_updates, actor_state = actor_opt.update(grads["actor"], train_state["actor_opt"], params["actor"])
+        c_updates, critic_state = critic_opt.update(grads["critic"], train_state["critic_opt"], params["critic"])
+        params = {"actor": optax.apply_updates(params["actor"], a_updates),
+                  "critic": optax.apply_updates(params["critic"], c_updates)}
+        metrics["actor_grad_norm"] = optax.global_norm(grads["actor"])
+        metrics["critic_grad_norm"] = optax.global_norm(grads["critic"])
+        return {**train_state, "params": params, "actor_opt": actor_state, "critic_opt": critic_state,
+                "updates": train_state["updates"] + 1}, metrics
+
+    # ----------------------------------------------------------------------- train
+
+    def sequences(arrays):
+        """Regions [R, T, N, ...] -> one sequence per (region, env): [R * N, T, ...]."""
+        def merge(x):
+            x = jnp.swapaxes(x, 1, 2)
+            return x.reshape(x.shape[0] * x.shape[1], *x.shape[2:])
+        return {k: merge(v) for k, v in arrays.items()}
+
+    def train(train_state, arrays, valid, n_updates: int):
+        """One PPO update on the regions the last collect wrote: `epochs` passes, each over
+        `minibatches` random splits of the envs. (`valid` is all True and `n_updates` is the
+        number of regions: an on-policy learner trains on all of them once.)"""
+        batch = prepare(train_state["params"], sequences(arrays))
+        n_seq = batch["obs"].shape[0]
+        if n_seq % config.minibatches:
+            raise ValueError(f"minibatches={config.minibatches} does not divide the {n_seq} env "
+                             "sequences per update (envs_per_collector x n_collectors); "
+                             "pick a divisor, e.g. --set minibatches=1")
+        size = n_seq // config.minibatches
+
+        def epoch(state, _):
+            key, perm_key = jax.random.split(state["key"])
+            order = jax.random.permutation(perm_key, n_seq)
+            split = jax.tree.map(lambda x: x[order].reshape(config.minibatches, size, *x.shape[1:]), batch)
+            state, metrics = jax.lax.scan(update, {**state, "key": key}, split)
+            return state, metrics
+
+        train_state, metrics = jax.lax.scan(epoch, train_state, None, config.epochs)
+        metrics = jax.tree.map(jnp.mean, metrics)
+        metrics["value"] = batch["value_old"].mean()
+        metrics["lr"] = jnp.asarray(lr_schedule(train_state["updates"]), jnp.float32)
+        return train_state, metrics
+
+    # ----------------------------------------------------------------------- score
+
+    @jax.jit
+    def score_arrays(train_state, batch):
+        logp, entropy = log_prob_and_entropy(train_state["params"]["actor"], batch)
+        return {"value": values(train_state["params"]["critic"], batch), "logp_current": logp,
+                "logp_behaviour": batch["logp"], "log_ratio": logp - batch["logp"],
+                "entropy": entropy}
+
+    def score(train_state, windows):
+        """Per-step state values, current and behaviour log-probabilities (and their log
+        ratio) and policy entropy of stored windows [B, L], each per agent."""
+        return {k: (v, ("agent",)) for k, v in score_arrays(train_state, windows).items()}
+
+    name = "mappo" if config.critic == "central" else "ippo"
+    return Learner(
+        name=name, config=config, spec=spec, init=jax.jit(init), act=act, init_carry=init_carry,
+        policy_params=policy_params, exploration=exploration, greedy=greedy,
+        update=jax.jit(update), train=jax.jit(train, static_argnums=3), on_policy=True,
+        extra_fields=extra_fields, score=score, loss_fn=loss_fn, agent=actor, mixer=critic)

@@ -1,0 +1,167 @@
+"""MADDPG: the parts that can be wrong silently (soft target updates, masking, bounds, the
+critic's TD step), on real jaxmarl MPE data, and a tiny preset through the real pipeline."""
+
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from marl import algos, buffer, envs, maddpg, rollout
+from pipelines.config import make_run_config
+from pipelines.stages import replay_fields
+from storage import ReplayStore, open_replay
+
+TINY = "maddpg-mpe-tiny"
+SMALL = {"hidden": "16", "batch_size": "64", "tau": "0.25"}
+
+
+def real_windows(env_kwargs: dict, overrides: dict, length: int = 2, batch: int = 64):
+    """A learner and windows sampled from two regions of real simple spread rollouts."""
+    env = envs.make("mpe:simple_spread", **env_kwargs)
+    learner = algos.make_learner("maddpg", env.spec, algos.config_for("maddpg", overrides))
+    train_state = learner.init(jax.random.PRNGKey(0))
+    # 40-step regions of 26-step episodes: the second region has an episode end inside
+    init, collect = rollout.make_collector(env, learner.act, learner.init_carry, 8, 40)
+    fields = {k: (f.shape, f.dtype) for k, f in replay_fields(env.spec, learner).items()}
+    arrays, valid = buffer.empty(fields, 2, 40, 8)
+    rstate = init(jax.random.PRNGKey(1))
+    for slot in range(2):
+        rstate, data, _ = collect(learner.policy_params(train_state), rstate,
+                                  learner.exploration(jnp.float32(0)))
+        arrays, valid = buffer.insert(arrays, valid, slot, data)
+    windows = buffer.sample_windows(jax.random.PRNGKey(2), arrays, valid, batch, length)
+    return env, learner, train_state, windows, data
+
+
+@pytest.fixture(scope="module")
+def continuous():
+    return real_windows({"action_type": "Continuous"}, SMALL)
+
+
+def test_target_networks_follow_by_exact_polyak_averaging(continuous):
+    _, learner, state, windows, _ = continuous
+    tau = learner.config.tau
+    new, _ = learner.update(state, windows)
+    leaves = lambda tree: jax.tree.leaves(jax.tree.map(np.asarray, tree))
+    for target, online, old in zip(leaves(new["target_params"]), leaves(new["params"]),
+                                   leaves(state["target_params"])):
+        expected = (np.float32(1 - tau) * old + np.float32(tau) * online).astype(np.float32)
+        np.testing.assert_allclose(target, expected, rtol=1e-6, atol=1e-7)
+    # the online networks moved, so the check is not trivially target == online
+    assert any(not np.allclose(t, o) for t, o in zip(leaves(new["target_params"]), leaves(new["params"])))
+    assert int(new["updates"]) == 1
+    # and polyak itself, leaf by leaf
+    a, b = {"w": jnp.array([1.0, 2.0])}, {"w": jnp.array([3.0, -2.0])}
+    np.testing.assert_array_equal(maddpg.polyak(a, b, 0.25)["w"], [1.5, 1.0])
+
+
+def test_continuous_actions_stay_in_bounds(continuous):
+    env, learner, state, _, data = continuous
+    low, high = env.spec.action_low, env.spec.action_high
+    assert data["action"].shape == (40, 8, 3, env.spec.action_dim)
+    assert float(data["action"].min()) >= low and float(data["action"].max()) <= high
+    obs = jax.random.normal(jax.random.PRNGKey(3), (512, 3, env.spec.obs_dim)) * 50.0
+    params, act = learner.policy_params(state), jax.jit(learner.act)
+    taken = []
+    for explore in ({"noise_std": jnp.float32(10.0), "sample": jnp.float32(1.0)}, learner.greedy):
+        actions, _, _ = act(params, learner.init_carry(512), obs, jnp.ones((512, 3, 1), bool),
+                            jnp.zeros(512, bool), jax.random.PRNGKey(4), explore)
+        assert actions.shape == (512, 3, env.spec.action_dim)
+        assert float(actions.min()) >= low and float(actions.max()) <= high
+        taken.append(np.asarray(actions))
+    assert (taken[0] != taken[1]).mean() > 0.5  # the noise explores; greedy has none
+    # the noise scale decays from noise_start to noise_end
+    stds = [float(learner.exploration(jnp.float32(s))["noise_std"]) for s in (0, 10**9)]
+    np.testing.assert_allclose(stds, [learner.config.noise_start, learner.config.noise_end], rtol=1e-6)
+
+
+def test_one_critic_update_on_a_fixed_batch_lowers_the_td_loss(continuous):
+    _, learner, state, windows, _ = continuous
+    batch = maddpg.transitions(windows)
+    key = jax.random.PRNGKey(5)
+    loss = lambda s: float(learner.loss_fn(s["params"]["critic"], s["params"], state["target_params"], batch, key)[0])
+    new, metrics = learner.update(state, windows)
+    assert loss(new) < loss(state)
+    assert np.isclose(float(metrics["critic_loss"]), loss(state), rtol=1e-4)
+
+
+def test_gumbel_actions_never_pick_an_unavailable_action():
+    # discrete simple spread, with one actor and critic shared by all agents
+    env, learner, state, windows, _ = real_windows({}, {**SMALL, "share_params": "true"})
+    assert jax.tree.leaves(state["params"]["actor"])[0].shape[0] == 1
+    assert env.spec.discrete and env.spec.n_actions == 5
+    n_envs, n_actions = 2048, env.spec.n_actions
+    obs = jax.random.normal(jax.random.PRNGKey(6), (n_envs, 3, env.spec.obs_dim)) * 10.0
+    avail = jax.random.bernoulli(jax.random.PRNGKey(7), 0.3, (n_envs, 3, n_actions))
+    avail = avail.at[..., 0].set(avail[..., 0] | ~avail.any(-1))  # at least one available
+    only = jax.nn.one_hot(jax.random.randint(jax.random.PRNGKey(8), (n_envs, 3), 0, n_actions), n_actions) > 0
+    act = jax.jit(learner.act)
+    params = learner.policy_params(state)
+    for mask in (avail, only):
+        for explore in (learner.exploration(jnp.float32(0)), learner.greedy):
+            actions, _, _ = act(params, learner.init_carry(n_envs), obs, mask, jnp.zeros(n_envs, bool),
+                                jax.random.PRNGKey(9), explore)
+            assert bool(jnp.take_along_axis(mask, actions[..., None], -1).all())
+    # the straight-through sample of the actor loss: one-hot on an available action, with
+    # the soft sample's gradient, and no gradient into the logits of unavailable actions
+    logits = jax.random.normal(jax.random.PRNGKey(10), (n_envs, 3, n_actions)) * 5.0
+    sample = maddpg.gumbel_straight_through(jax.random.PRNGKey(11), logits, avail)
+    np.testing.assert_allclose(sample.sum(-1), 1.0, atol=1e-5)
+    assert bool((jnp.where(avail, 0.0, sample) == 0).all())
+    chosen = jnp.argmax(sample, -1)
+    assert bool(jnp.take_along_axis(avail, chosen[..., None], -1).all())
+    grad = jax.grad(lambda lg: (maddpg.gumbel_straight_through(jax.random.PRNGKey(11), lg, avail)
+                                * jnp.arange(n_actions)).sum())(logits)
+    assert float(jnp.abs(grad).sum()) > 0 and bool((jnp.where(avail, 0.0, grad) == 0).all())
+    # and a discrete update runs on the stored int actions
+    new, metrics = learner.update(state, windows)
+    assert np.isfinite(float(metrics["critic_loss"])) and np.isfinite(float(metrics["actor_loss"]))
+
+
+def whole_region(data):
+    """A collected region [T, N, ...] as N windows [N, T, ...]."""
+    return {k: jnp.swapaxes(v, 0, 1) for k, v in data.items()}
+
+
+def test_score_gives_per_agent_q_and_td_errors(continuous):
+    _, learner, state, _, data = continuous
+    long = whole_region(data)
+    out = learner.score(state, long)
+    assert set(out) == {"q_taken", "td_error"}
+    q, dims = out["q_taken"]
+    assert q.shape == (8, 40, 3) and dims == ("agent",) and bool(jnp.isfinite(q).all())
+    td, _ = out["td_error"]
+    assert bool(jnp.isnan(td[:, -1]).all()) and bool(jnp.isfinite(td[:, :-1]).all())
+
+
+def test_time_limit_dones_leave_the_loss_but_not_the_bootstrap(continuous):
+    env, _, state, _, data = continuous
+    learner = algos.make_learner("maddpg", env.spec, algos.config_for(
+        "maddpg", {**SMALL, "time_limit_bootstrap": "true"}))
+    long = whole_region(data)
+    td, _ = learner.score(state, long)["td_error"]
+    done = np.asarray(long["done"][:, :-1])
+    assert done.any() and (~done).any()
+    assert bool(jnp.isnan(td[:, :-1][done]).all()) and bool(jnp.isfinite(td[:, :-1][~done]).all())
+
+
+def test_tiny_maddpg_preset_through_the_pipeline(tmp_path, prefect_server, dask_cluster):
+    from flows.train import marl_train
+
+    run_dir = str(tmp_path / "maddpg")
+    result = marl_train(preset=TINY, run_dir=run_dir, scheduler_address=dask_cluster.scheduler_address)
+    config = make_run_config(TINY)
+    # 1,600 env steps = 4 iterations x 2 collectors x (8 envs x 25 steps)
+    assert result["iterations"] == 4 and result["env_steps"] == 1600
+    ds = open_replay(os.path.join(run_dir, "replay"))
+    assert ds.action.dims == ("step", "env", "agent", "act_dim") and ds.sizes["act_dim"] == 5
+    assert float(ds.action.min()) >= 0.0 and float(ds.action.max()) <= 1.0
+    assert ReplayStore.open(os.path.join(run_dir, "replay")).attrs["algorithm"] == "maddpg"
+    per_iteration = config.n_collectors * config.algo_config().updates_per_region
+    # learning starts once 200 env steps are stored: from the first iteration (400 steps)
+    assert result["history"][-1]["total_updates"] == 4 * per_iteration
+    assert np.isfinite(result["history"][-1]["loss"])
+    assert result["final_eval"]["episodes"] == config.eval_episodes
+    assert result["final_eval"]["length_mean"] == 25  # max_steps=24: PARL's 25-step episodes

@@ -1,0 +1,173 @@
+"""MAPPO/IPPO (marl/mappo.py): GAE, masking, bounds, an update, the stored hidden state, and
+a tiny run through the real pipeline (Prefect flow, LocalCluster, Zarr store, orbax)."""
+
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from marl import algos, envs, mappo, rollout
+from pipelines.config import make_run_config
+from storage import Checkpointer, ReplayStore, open_replay
+
+TINY = "mappo-mpe-tiny"
+
+
+def make(algo, env_id, env_kwargs=None, **overrides):
+    env = envs.make(env_id, **(env_kwargs or {}))
+    config = algos.config_for(algo, {"hidden": 16, "epochs": 2, "minibatches": 2, "lr": 3e-3, **overrides})
+    return env, algos.make_learner(algo, env.spec, config)
+
+
+def collect_sequences(env, learner, n_envs=8, n_steps=32, seed=0):
+    """One collected region (data [T, N, ...], sequences [N, T, ...]) and the state that acted."""
+    init, collect = rollout.make_collector(env, learner.act, learner.init_carry, n_envs, n_steps)
+    state = learner.init(jax.random.PRNGKey(seed))
+    _, data, _ = collect(learner.policy_params(state), init(jax.random.PRNGKey(seed + 1)),
+                         learner.exploration(0))
+    return state, data, {k: jnp.swapaxes(v, 0, 1) for k, v in data.items()}
+
+
+@pytest.fixture(scope="module")
+def feed_forward():
+    """MAPPO, feed-forward actor, one region of 8 MPE envs x 32 steps."""
+    env, learner = make("mappo", "mpe:simple_spread")
+    return (env, learner, *collect_sequences(env, learner))
+
+
+@pytest.fixture(scope="module")
+def recurrent():
+    """IPPO with a GRU actor, one region of 8 MPE envs x 32 steps (episodes end at step 25)."""
+    env, learner = make("ippo", "mpe:simple_spread", recurrent=True)
+    return (env, learner, *collect_sequences(env, learner))
+
+
+def region(data):
+    return {k: jnp.asarray(v)[None] for k, v in data.items()}  # [R=1, T, N, ...]
+
+
+def test_gae_matches_a_hand_computed_example():
+    # gamma 0.9, lambda 0.5; step 1 ends its episode, so steps 0-1 do not see V(2)
+    reward = jnp.array([[1.0, 2.0, 3.0, 4.0]])[..., None]  # [B=1, L=4, agent=1]
+    done = jnp.array([[False, True, False, False]])
+    value = jnp.array([[0.5, 1.0, 1.5, 2.0, 2.5]])[..., None]
+    adv, target = mappo.gae(reward, done, value, gamma=0.9, lam=0.5)
+    # deltas: 1 + .9*1 - .5 = 1.4 | 2 - 1 = 1.0 | 3 + .9*2 - 1.5 = 3.3 | 4 + .9*2.5 - 2 = 4.25
+    # A_3 = 4.25; A_2 = 3.3 + .45*4.25 = 5.2125; A_1 = 1.0 (episode end); A_0 = 1.4 + .45*1.0
+    np.testing.assert_allclose(adv[0, :, 0], [1.85, 1.0, 5.2125, 4.25], rtol=1e-6)
+    np.testing.assert_allclose(target[0, :, 0], [2.35, 2.0, 6.7125, 6.25], rtol=1e-6)
+
+
+def test_an_unavailable_action_is_never_sampled(feed_forward):
+    _, learner, state, _, _ = feed_forward
+    n = 1024
+    obs = jax.random.normal(jax.random.PRNGKey(1), (n, 3, 18))
+    one = jax.nn.one_hot(jnp.array([4, 0, 2]), 5, dtype=bool)[None].repeat(n, axis=0)
+    # random masks with at least one available action per agent
+    some = jax.random.bernoulli(jax.random.PRNGKey(2), 0.4, (n, 3, 5)) | one
+    for avail in (one, some):
+        for seed in range(3):
+            actions, _, extras = learner.act(learner.policy_params(state), learner.init_carry(n), obs,
+                                             avail, jnp.ones(n, bool), jax.random.PRNGKey(seed),
+                                             learner.exploration(0))
+            chosen = np.take_along_axis(np.asarray(avail), np.asarray(actions)[..., None], -1)
+            assert chosen.all(), "an unavailable action was sampled"
+    actions, _, extras = learner.act(learner.policy_params(state), learner.init_carry(n), obs, one,
+                                     jnp.ones(n, bool), jax.random.PRNGKey(9), learner.exploration(0))
+    np.testing.assert_allclose(extras["logp"], 0.0, atol=1e-6)  # the one action has probability 1
+
+
+def test_continuous_actions_stay_in_bounds_and_keep_the_raw_sample():
+    env, learner = make("mappo", "mpe:simple_spread", {"action_type": "Continuous"}, log_std_init=1.0)
+    spec, n = env.spec, 256
+    state = learner.init(jax.random.PRNGKey(0))
+    obs = jax.random.normal(jax.random.PRNGKey(1), (n, 3, 18))
+    avail = jnp.ones((n, 3, 1), bool)
+    action, _, extras = learner.act(learner.policy_params(state), learner.init_carry(n), obs, avail,
+                                    jnp.ones(n, bool), jax.random.PRNGKey(2), learner.exploration(0))
+    action, raw = np.asarray(action), np.asarray(extras["action_raw"])
+    assert action.shape == raw.shape == (n, 3, 5)
+    assert action.min() >= spec.action_low and action.max() <= spec.action_high
+    assert (raw < spec.action_low).any() and (raw > spec.action_high).any()  # clipping did happen
+    np.testing.assert_allclose(action, np.clip(raw, spec.action_low, spec.action_high))
+    # the stored log-prob belongs to the unclipped sample: recomputing it gives it back
+    window = {"obs": obs[:, None], "state": obs.reshape(n, 1, -1), "done": jnp.zeros((n, 1), bool),
+              "avail_actions": avail[:, None], "action_raw": extras["action_raw"][:, None],
+              "logp": extras["logp"][:, None]}
+    np.testing.assert_allclose(learner.score(state, window)["log_ratio"][0], 0.0, atol=1e-4)
+
+
+@pytest.mark.parametrize("which", ["feed_forward", "recurrent"])
+def test_one_update_on_a_fixed_batch_lowers_its_loss(which, request):
+    _, learner, state, data, seq = request.getfixturevalue(which)
+    loss = jax.jit(learner.loss_fn)
+    old = state["params"]
+    before, parts_before = loss(old, old, seq)
+    new_state, metrics = learner.train(state, region(data), jnp.ones(1, bool), 1)
+    after, parts_after = loss(new_state["params"], old, seq)
+    assert int(new_state["updates"]) == 2 * 2  # epochs x minibatches
+    assert float(after) < float(before)
+    assert float(parts_after["value_loss"]) < float(parts_before["value_loss"])
+    assert float(parts_after["actor_loss"]) < float(parts_before["actor_loss"])
+    assert 0.0 < float(metrics["approx_kl"]) < 0.1, "the policy moved by an unreasonable amount"
+    changed = jax.tree.map(lambda a, b: bool(jnp.any(a != b)), old, new_state["params"])
+    assert all(jax.tree.leaves(changed))
+
+
+def test_recurrent_actor_replays_the_behaviour_log_probs_from_stored_memory(recurrent):
+    """Windows starting mid-region and crossing an episode end give back the stored log-probs."""
+    _, learner, state, data, seq = recurrent
+    assert data["actor_h"].shape == (32, 8, 3, 16)
+    assert np.asarray(data["done"][5:30]).any()
+    window = {k: v[:, 5:30] for k, v in seq.items()}
+    scores = learner.score(state, window)
+    np.testing.assert_allclose(scores["logp_current"][0], window["logp"], atol=1e-4)
+    assert scores["value"][0].shape == (8, 25, 3) and scores["value"][1] == ("agent",)
+
+
+def test_pettingzoo_collector_feeds_the_learner(feed_forward):
+    _, learner, _, _, _ = feed_forward  # the same spec as PettingZoo's simple_spread_v3
+    env = envs.make("pz:mpe2.simple_spread_v3")
+    init, collect = rollout.make_numpy_collector(env, learner.act, learner.init_carry, 8, 32)
+    state = learner.init(jax.random.PRNGKey(0))
+    _, data, stats = collect(learner.policy_params(state), init(jax.random.PRNGKey(1)),
+                             learner.exploration(0))
+    assert data["logp"].shape == (32, 8, 3) and int(stats["episodes"]) == 8
+    state, metrics = learner.train(state, region(data), jnp.ones(1, bool), 1)
+    assert np.isfinite(float(metrics["loss"])) and int(state["updates"]) == 2 * 2
+
+
+def test_bad_settings_are_refused(feed_forward):
+    env, _, state, data, _ = feed_forward
+    with pytest.raises(ValueError, match="unknown critic 'global'.*central"):
+        algos.make_learner("mappo", env.spec, algos.config_for("mappo", {"critic": "global"}))
+    _, learner = make("mappo", "mpe:simple_spread", minibatches=3)
+    with pytest.raises(ValueError, match="minibatches=3 does not divide the 8 env sequences"):
+        learner.train(state, region(data), jnp.ones(1, bool), 1)
+
+
+def test_tiny_mappo_run_through_the_pipeline(tmp_path, prefect_server, dask_cluster):
+    from flows.train import marl_train
+
+    run_dir = str(tmp_path / "run")
+    result = marl_train(preset=TINY, run_dir=run_dir, scheduler_address=dask_cluster.scheduler_address)
+    config = make_run_config(TINY)
+    algo = config.algo_config()
+    # 1024 env steps = 4 iterations x 2 collectors x (8 envs x 16 steps)
+    assert result["iterations"] == 4 and result["env_steps"] == 1024
+    ds = open_replay(os.path.join(run_dir, "replay"))
+    assert ds.logp.dims == ("step", "env", "agent") and ds.logp.shape == (4 * 16, 8, 3)
+    assert np.isfinite(ds.logp.values).all() and (ds.logp.values <= 0).all()
+    attrs = ReplayStore.open(os.path.join(run_dir, "replay")).attrs
+    assert attrs["algorithm"] == "mappo" and attrs["env_id"] == "mpe:simple_spread"
+    per_iteration = algo.epochs * algo.minibatches
+    assert [h["total_updates"] for h in result["history"]] == [per_iteration * i for i in (1, 2, 3, 4)]
+    checkpoints = Checkpointer(os.path.abspath(os.path.join(run_dir, "checkpoints")))
+    try:
+        assert checkpoints.latest_step() == 4 and checkpoints.metadata()["updates"] == 4 * per_iteration
+    finally:
+        checkpoints.close()
+    assert np.isfinite(result["history"][-1]["loss"])
+    assert result["final_eval"]["episodes"] == config.eval_episodes
