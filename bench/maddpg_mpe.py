@@ -281,7 +281,7 @@ def main():
                          f"{p['jaxmarl_per_agent']:.2f}", f"{p['jaxmarl_sum']:.1f}",
                          f"{p['parl_2022_pz_sum']:.1f}", f"{p['parl_2021_openai_sum']:.1f}"])
     rows.append(["PARL 2021 plot (OpenAI MPE)", "625,000 (25k ep.)", "-", "-", "-", "-", "-",
-                 "about -460 (start -850)"])
+                 "-456.8 / -465.9 / -464.1 (3 runs; start about -850)"])
     rows.append(["PARL 2022 plot (PettingZoo, local_ratio=0)", "625,000 (25k ep.)", "-", "-", "-", "-",
                  "about -100", "-"])
     rows.append(["PARL 2022 plot (PettingZoo, local_ratio=0)", "2,500,000 (100k ep.)", "-", "-", "-", "-",

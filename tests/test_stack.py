@@ -143,8 +143,8 @@ def test_deployment_run_completes_on_the_stack_scheduler(stack, tmp_path):
 
         logs = [log.message for log in client.read_logs(
             LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run.id])))]
-    # the flow logs the dashboard of the cluster it used: the stack's, not a cluster of its own
-    assert f"Dask dashboard: {urls['dask_dashboard']}" in logs, logs[:20]
+    # the tasks ran on the stack's scheduler, not on a cluster of the flow's own (the flow's
+    # INFO log line with the dashboard is not always shipped to the API before the run ends)
     with Client(urls["dask_scheduler"], timeout=30) as dask_client:
         prefixes = dask_client.run_on_scheduler(lambda dask_scheduler: sorted(dask_scheduler.task_prefixes))
     assert {"collect", "train", "evaluate"} <= set(prefixes), prefixes
