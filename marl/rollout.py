@@ -88,6 +88,13 @@ def split_record(record: dict, xp=jnp):
     return {k: v for k, v in record.items() if not k.startswith("_")}, stats
 
 
+def fresh_numpy_envs(env: PettingZooEnv, n_envs: int, key):
+    """N new instances of a numpy env, reset with distinct seeds drawn from `key`."""
+    instances = [PettingZooEnv(env.factory, env.spec) for _ in range(n_envs)]
+    first = int(jax.random.randint(key, (), 0, 2**30))
+    return instances, [e.reset(seed=first + i) for i, e in enumerate(instances)]
+
+
 class NumpyRolloutState(NamedTuple):
     envs: list  # N PettingZooEnv instances, each mid-episode
     timestep: Timestep  # stacked [N, ...] numpy
@@ -106,9 +113,8 @@ def make_numpy_collector(env: PettingZooEnv, act: Callable, init_carry: Callable
     stack = lambda steps: Timestep(*(np.stack(x) for x in zip(*steps)))
 
     def init(key) -> NumpyRolloutState:
-        instances = [PettingZooEnv(env.factory, env.spec) for _ in range(n_envs)]
-        first = int(jax.random.randint(key, (), 0, 2**30))
-        timestep = stack([e.reset(seed=first + i) for i, e in enumerate(instances)])
+        instances, steps = fresh_numpy_envs(env, n_envs, key)
+        timestep = stack(steps)
         return NumpyRolloutState(instances, timestep, init_carry(n_envs), np.zeros(n_envs),
                                  np.zeros(n_envs, np.int32), key)
 
@@ -174,9 +180,7 @@ def make_numpy_evaluator(env: PettingZooEnv, act: Callable, init_carry: Callable
     act = jax.jit(act)
 
     def evaluate(params, key):
-        instances = [PettingZooEnv(env.factory, env.spec) for _ in range(n_envs)]
-        first = int(jax.random.randint(key, (), 0, 2**30))
-        steps = [e.reset(seed=first + i) for i, e in enumerate(instances)]
+        instances, steps = fresh_numpy_envs(env, n_envs, key)
         carry = init_carry(n_envs)
         finished = np.zeros(n_envs, bool)
         ret, length, won = np.zeros(n_envs), np.zeros(n_envs, np.int32), np.zeros(n_envs, bool)

@@ -76,32 +76,31 @@ class RunConfig:
         return json.dumps(self.to_dict(), sort_keys=True)
 
 
+_QMIX_SMAC = dict(
+    algo="qmix", env_id="smax:3m", total_env_steps=2_500_000, n_collectors=1,
+    envs_per_collector=32, steps_per_region=32, buffer_steps=65_536,
+    eval_every=10, checkpoint_every=20,
+    algo_overrides=dict(updates_per_region=32, seq_len=16, eps_end=0.01, eps_decay_steps=50_000,
+                        td_lambda=0.6),
+)
+
+_MAPPO_MPE = dict(
+    algo="mappo", env_id="mpe:simple_spread", total_env_steps=2_000_000, n_collectors=1,
+    envs_per_collector=128, steps_per_region=128, buffer_steps=1_024,
+    eval_every=10, checkpoint_every=20,
+    algo_overrides=dict(hidden=128, activation="relu", lr=2e-3, anneal_lr_iterations=123,
+                        epochs=4, minibatches=4, clip_eps=0.2, ent_coef=0.01,
+                        max_grad_norm=0.5),
+)
+
 PRESETS: dict[str, dict] = {
     # tuned on a 2-core CPU (BENCHMARKS.md): greedy test win rate >= 0.9 on 3m after
     # 320k-600k env steps depending on the seed. Env steps are nearly free here, so one
     # update per 32 collected steps, short windows and a low final epsilon buy the most.
-    "qmix-smac": dict(
-        algo="qmix", env_id="smax:3m", total_env_steps=2_500_000, n_collectors=1,
-        envs_per_collector=32, steps_per_region=32, buffer_steps=65_536,
-        eval_every=10, checkpoint_every=20,
-        algo_overrides=dict(updates_per_region=32, seq_len=16, eps_end=0.01, eps_decay_steps=50_000,
-                            td_lambda=0.6),
-    ),
+    "qmix-smac": _QMIX_SMAC,
     # QMIX's relatives on the same settings: only the mixer differs
-    "vdn-smax": dict(
-        algo="vdn", env_id="smax:3m", total_env_steps=2_500_000, n_collectors=1,
-        envs_per_collector=32, steps_per_region=32, buffer_steps=65_536,
-        eval_every=10, checkpoint_every=20,
-        algo_overrides=dict(updates_per_region=32, seq_len=16, eps_end=0.01, eps_decay_steps=50_000,
-                            td_lambda=0.6),
-    ),
-    "iql-smax": dict(
-        algo="iql", env_id="smax:3m", total_env_steps=2_500_000, n_collectors=1,
-        envs_per_collector=32, steps_per_region=32, buffer_steps=65_536,
-        eval_every=10, checkpoint_every=20,
-        algo_overrides=dict(updates_per_region=32, seq_len=16, eps_end=0.01, eps_decay_steps=50_000,
-                            td_lambda=0.6),
-    ),
+    "vdn-smax": {**_QMIX_SMAC, "algo": "vdn"},
+    "iql-smax": {**_QMIX_SMAC, "algo": "iql"},
     # a few thousand steps end to end, for tests and smoke runs
     "qmix-smac-tiny": dict(
         algo="qmix", env_id="smax:3m", total_env_steps=4_096, n_collectors=2,
@@ -114,22 +113,9 @@ PRESETS: dict[str, dict] = {
     # MAPPO/IPPO (marl/mappo.py): one PPO update (epochs x minibatches over envs) per
     # collect of N envs x T steps, JaxMARL's MAPPO-MPE shape (128 x 128, 2M steps, lr 2e-3
     # annealed over the run); BENCHMARKS.md compares it with a single-process reference
-    "mappo-mpe": dict(
-        algo="mappo", env_id="mpe:simple_spread", total_env_steps=2_000_000, n_collectors=1,
-        envs_per_collector=128, steps_per_region=128, buffer_steps=1_024,
-        eval_every=10, checkpoint_every=20,
-        algo_overrides=dict(hidden=128, activation="relu", lr=2e-3, anneal_lr_iterations=123,
-                            epochs=4, minibatches=4, clip_eps=0.2, ent_coef=0.01,
-                            max_grad_norm=0.5),
-    ),
-    "ippo-mpe": dict(
-        algo="ippo", env_id="mpe:simple_spread", total_env_steps=2_000_000, n_collectors=1,
-        envs_per_collector=128, steps_per_region=128, buffer_steps=1_024,
-        eval_every=10, checkpoint_every=20,
-        algo_overrides=dict(hidden=128, activation="relu", lr=2e-3, anneal_lr_iterations=123,
-                            epochs=4, minibatches=4, clip_eps=0.2, ent_coef=0.01,
-                            max_grad_norm=0.5),
-    ),
+    "mappo-mpe": _MAPPO_MPE,
+    # IPPO: the same settings with per-agent critics on local observations
+    "ippo-mpe": {**_MAPPO_MPE, "algo": "ippo"},
     # JaxMARL's SMAX PPO settings (relu, clip 0.05, grad-norm 0.25, 4 x 4), lr 2e-3 constant,
     # 64 envs x 128 steps per update: greedy test win >= 0.9 on 3m near 1.1M env steps
     "mappo-smax": dict(
