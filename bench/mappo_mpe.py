@@ -14,7 +14,7 @@ left out: Dense 128 -> Dense 128), and `--reference-recurrent` runs it with the 
 The metric for both is JaxMARL's: the mean episode return of the episodes that ended in
 each update's rollout (per agent: the sum over the episode of the agents' mean reward).
 
-    python bench/mappo_mpe.py [--env-steps 1000000] [--seed 0] [--reference-recurrent]
+    python bench/mappo_mpe.py [--env-steps 1000000] [--seed 0] [--seeds 1] [--reference-recurrent]
 
 Writes bench/results/mappo_mpe.{json,md,png}.
 """
@@ -203,30 +203,36 @@ def make_reference(cfg: dict, total_env_steps: int, recurrent: bool = False):
     return jax.jit(train), n_updates
 
 
-def run_reference(env_steps: int, seed: int, recurrent: bool = False) -> dict:
+def run_reference(env_steps: int, seed: int, recurrent: bool = False, n_seeds: int = 1) -> dict:
+    """Seeds seed .. seed+n_seeds-1 side by side with vmap, as JaxMARL's NUM_SEEDS."""
     import jax
     import numpy as np
 
     train, n_updates = make_reference(REFERENCE, env_steps, recurrent)
+    train_seeds = jax.jit(jax.vmap(train))
+    keys = jax.vmap(jax.random.PRNGKey)(np.arange(seed, seed + n_seeds))
     started = time.perf_counter()
-    compiled = train.lower(jax.random.PRNGKey(seed)).compile()
+    compiled = train_seeds.lower(keys).compile()
     compile_s = time.perf_counter() - started
-    metrics = jax.block_until_ready(compiled(jax.random.PRNGKey(seed)))
+    metrics = jax.block_until_ready(compiled(keys))
     wall = time.perf_counter() - started
-    returns = np.asarray(metrics["return"])
+    per_seed = np.asarray(metrics["return"])  # [seeds, updates]
+    returns = per_seed.mean(0)
     per_update = REFERENCE["NUM_ENVS"] * REFERENCE["NUM_STEPS"]
     curve = [{"env_steps": (i + 1) * per_update, "return": float(r)} for i, r in enumerate(returns)]
-    print(f"[reference] {n_updates} updates, {wall:.1f} s (compile {compile_s:.1f} s), "
+    print(f"[reference] {n_seeds} seed(s) x {n_updates} updates, {wall:.1f} s (compile {compile_s:.1f} s), "
           f"final return {np.nanmean(returns[-LAST:]):.3f}", flush=True)
     kind = "GRU" if recurrent else "feed-forward"
     return summary(f"reference: JaxMARL MAPPO-MPE config, {kind}, single process", curve, wall,
-                   n_updates * per_update, compile_s=compile_s)
+                   n_updates * per_update, compile_s=compile_s,
+                   final_return_per_seed=[float(np.nanmean(r[-LAST:])) for r in per_seed])
 
 
 # ------------------------------------------------------------------- the pipeline
 
 
-def run_pipeline(env_steps: int, seed: int, run_dir: str, preset: str = "mappo-mpe") -> dict:
+def run_pipeline(env_steps: int, seed: int, run_dir: str, preset: str = "mappo-mpe",
+                 n_seeds: int = 1) -> dict:
     from flows import train as train_flow
     from pipelines.config import make_run_config
 
@@ -245,13 +251,14 @@ def run_pipeline(env_steps: int, seed: int, run_dir: str, preset: str = "mappo-m
     train_flow.ITERATION_HOOKS.append(record)
     try:
         result = train_flow.marl_train(preset=preset, env_steps=env_steps, run_dir=run_dir, seed=seed,
-                                       overrides={"anneal_lr_iterations": str(n_iterations)})
+                                       seeds=n_seeds, overrides={"anneal_lr_iterations": str(n_iterations)})
     finally:
         train_flow.ITERATION_HOOKS.remove(record)
     wall = time.perf_counter() - started
     curve = [{"env_steps": r["env_steps"], "return": r["return"], "wall_s": r["wall_s"]} for r in rows]
     out = summary(f"ours: {preset} through the pipeline", curve, wall, result["env_steps"])
     out["final_test_return_greedy"] = result["final_eval"].get("return_mean")
+    out["final_eval"] = result["final_eval"]  # with n_seeds > 1: *_std and *_per_seed too
     return out
 
 
@@ -268,6 +275,8 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--env-steps", type=int, default=1_000_000)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seeds", type=int, default=1,
+                        help="independent seeds trained side by side (vmap) in both runs; curves are their mean")
     parser.add_argument("--run-root", default="runs/bench-mappo-mpe")
     parser.add_argument("--reference-recurrent", action="store_true",
                         help="GRU actor and critic, as JaxMARL's mappo_rnn_mpe (slow on CPU)")
@@ -279,15 +288,17 @@ def main():
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "90")
     os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
 
-    ref = run_reference(args.env_steps, args.seed, args.reference_recurrent)
+    ref = run_reference(args.env_steps, args.seed, args.reference_recurrent, args.seeds)
     # the same env steps for both: whole reference updates of 128 x 128
-    ours = run_pipeline(ref["env_steps"], args.seed, os.path.join(args.run_root, "ours"), args.preset)
+    ours = run_pipeline(ref["env_steps"], args.seed, os.path.join(args.run_root, "ours"), args.preset,
+                        args.seeds)
     results = [ours, ref]
     ratio = ours["wall_s"] / ref["wall_s"]
     rows = [[r["label"], f"{r['env_steps']:,}", f"{r['wall_s']:.0f}", f"{r['env_steps_per_s']:,.0f}",
              f"{r['final_return']:.2f}", f"{r['last_update_return']:.2f}"] for r in results]
     plt = report.save(
         "mappo_mpe", {"reference_config": REFERENCE, "last_updates_averaged": LAST,
+                      "seeds": args.seeds,
                       "wall_time_ratio_pipeline_over_reference": ratio,
                       "pipeline_at_least_reference": ours["final_return"] >= ref["final_return"],
                       "results": results},

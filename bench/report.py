@@ -13,7 +13,7 @@ RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 def save(name: str, payload: dict, header: list[str], align: list[str], rows: list[list[str]]):
     """Writes <name>.json and <name>.md, prints the table, and returns pyplot for the figure."""
     os.makedirs(RESULTS, exist_ok=True)
-    command = " ".join(["python", f"bench/{name}.py", *sys.argv[1:]])
+    command = " ".join(["python", f"bench/{os.path.basename(sys.argv[0])}", *sys.argv[1:]])
     with open(os.path.join(RESULTS, f"{name}.json"), "w") as f:
         json.dump({"command": command, **payload}, f, indent=2)
     lines = ["| " + " | ".join(header) + " |", "|" + "|".join(align) + "|"]

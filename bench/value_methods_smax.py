@@ -5,9 +5,9 @@ else is the `qmix-smac` preset: same network, replay, TD(lambda) targets, explor
 update budget. Each run is one `marl-train` flow (embedded Prefect, local Dask cluster,
 Zarr replay), evaluated greedily on 128 fresh episodes every `--eval-every` iterations.
 
-    python bench/value_methods_smax.py [--env-steps 300000] [--envs smax:3m smax:2s3z]
+    python bench/value_methods_smax.py [--env-steps 300000] [--envs smax:3m smax:2s3z] [--results-name N]
 
-Writes bench/results/value_methods_smax.{json,md,png}.
+Writes bench/results/value_methods_smax.{json,md,png} (or <N>.*).
 """
 
 from __future__ import annotations
@@ -32,6 +32,8 @@ def main():
     parser.add_argument("--algos", nargs="+", default=list(PRESETS))
     parser.add_argument("--eval-every", type=int, default=10, help="iterations between evaluations")
     parser.add_argument("--run-root", default="runs/bench-value-methods")
+    parser.add_argument("--results-name", default="value_methods_smax",
+                        help="bench/results/<name>.{json,md,png} (keeps other budgets' results)")
     args = parser.parse_args()
 
     # its own Prefect home: other benchmarks may run their ephemeral servers at the same time
@@ -55,7 +57,7 @@ def main():
         rows.append([r["env"], r["algo"], f"{r['env_steps']:,}", f"{r['final_test_win_rate']:.3f}",
                      f"{r['best_test_win_rate']:.3f}", at, f"{r['wall_s']:.0f}"])
     plt = report.save(
-        "value_methods_smax", {"results": results},
+        args.results_name, {"results": results},
         ["env", "algorithm", "env steps", "final test win", "best test win", "first >= 0.9 at steps",
          "wall s"], ["---", "---", "---:", "---:", "---:", "---:", "---:"], rows)
 
@@ -70,7 +72,7 @@ def main():
         ax.set_ylim(-0.02, 1.02)
         ax.legend()
     fig.tight_layout()
-    fig.savefig(report.figure_path("value_methods_smax"), dpi=120)
+    fig.savefig(report.figure_path(args.results_name), dpi=120)
 
 
 if __name__ == "__main__":
