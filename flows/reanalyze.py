@@ -51,6 +51,7 @@ def marl_reanalyze(run_dir: str | None = None, store: str | None = None,
         logger.info("scoring %d regions of %s with checkpoint %d into %s",
                     len(job["regions"]), job["store"], job["checkpoint_step"], job["out"])
         results = score_task(client, job)
+        client.run(reanalyze.forget_job, job)  # free the restored state on long-lived workers
     skipped = [r for r in results if not r["written"]]
     for r in skipped:
         logger.warning("region %d skipped: %s", r["region"], r["reason"])

@@ -115,6 +115,8 @@ def marl_train(preset: str = "qmix-smac", env: str | None = None, env_steps: int
         if not history:  # the run dir's checkpoint is already at the end: just score it
             last_eval = evaluate_task(client, collector_workers[0], cfg, params, start["iteration"])
         params.release()
+        # long-lived workers (a stack's) would otherwise keep every finished run in memory
+        client.run(stages.forget_run, config.run_dir)
     result = {"run_dir": config.run_dir, "store": config.store_path,
               "checkpoint_dir": config.checkpoint_dir, "iterations": len(history),
               "resumed_from": start["iteration"], "env_steps": env_steps_done, "history": history,

@@ -149,3 +149,10 @@ def reanalyze(**plan_kwargs) -> dict:
 def clear_caches():
     with _LOCK:
         _CACHE.clear()
+
+
+def forget_job(job: dict) -> int:
+    """Drops this worker's restored learner and state of one reanalysis job."""
+    with _LOCK:
+        return int(_CACHE.pop((job["store"], job["checkpoint_dir"], job["checkpoint_step"]), None)
+                   is not None)

@@ -113,6 +113,18 @@ def clear_caches():
         _CACHE.clear()
 
 
+def forget_run(run_dir: str) -> int:
+    """Drops this worker's cache entries of one run (its envs, learner, compiled steps), so
+    long-lived workers (`marl stack`) do not keep every finished run in memory; returns how
+    many entries went. A later task of the same run just rebuilds them."""
+    run_dir = os.path.abspath(run_dir)
+    with _LOCK:
+        keys = [k for k in _CACHE if k[1] == run_dir]
+        for k in keys:
+            del _CACHE[k]
+    return len(keys)
+
+
 def _to_numpy(tree):
     return jax.tree.map(np.asarray, tree)
 

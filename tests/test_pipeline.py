@@ -79,6 +79,16 @@ def test_retried_collect_leaves_no_region_duplicated_or_missing(first_run):
     assert pairs == {(i * 2 + c, i, c) for i in range(4) for c in range(2)}
 
 
+def test_workers_forget_a_finished_run(first_run, dask_cluster):
+    from distributed import Client
+
+    run_dir, _ = first_run
+    run_dir = os.path.abspath(run_dir)
+    with Client(dask_cluster.scheduler_address) as client:
+        keys = client.run(lambda: [k[1] for k in stages._CACHE])
+    assert keys and all(run_dir not in held for held in keys.values())
+
+
 def test_flow_resumes_from_its_checkpoint(first_run, dask_cluster):
     from flows.train import marl_train
 
