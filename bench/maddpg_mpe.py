@@ -253,7 +253,13 @@ def main():
     parser.add_argument("--no-pipeline", action="store_true", help="plain loop only (tuning)")
     parser.add_argument("--set", action="append", default=[], help="algorithm override key=value (plain loop)")
     parser.add_argument("--run-root", default="runs/bench-maddpg-mpe")
+    parser.add_argument("--preset", default=PRESET,
+                        help="maddpg-mpe (jaxmarl's reward, local_ratio 0.5) or maddpg-mpe-parl "
+                             "(PARL 2022's reward, local_ratio 0)")
     args = parser.parse_args()
+    global PRESET
+    PRESET = args.preset
+    name = PRESET.replace("-", "_")  # maddpg_mpe, maddpg_mpe_parl
 
     os.environ.setdefault("PREFECT_HOME", os.path.abspath(".prefect"))
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
@@ -287,7 +293,7 @@ def main():
     rows.append(["PARL 2022 plot (PettingZoo, local_ratio=0)", "2,500,000 (100k ep.)", "-", "-", "-", "-",
                  "about -50 (start -200)", "-"])
     plt = report.save(
-        "maddpg_mpe", {"random": random_scores, "parl": PARL, "results": results,
+        name, {"preset": PRESET, "random": random_scores, "parl": PARL, "results": results,
                        "eval_episodes": EVAL_EPISODES, "episode_steps": EPISODE},
         ["run", "env steps", "wall s", "env steps/s", "per-agent return (jaxmarl)",
          "sum over agents (jaxmarl)", "PARL 2022 convention (sum)", "PARL 2021 convention (sum)"],
@@ -304,7 +310,7 @@ def main():
         ax.legend()
     fig.suptitle("MADDPG on MPE simple spread (continuous), 25-step episodes")
     fig.tight_layout()
-    fig.savefig(report.figure_path("maddpg_mpe"), dpi=120)
+    fig.savefig(report.figure_path(name), dpi=120)
 
 
 if __name__ == "__main__":
