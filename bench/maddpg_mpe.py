@@ -241,6 +241,7 @@ def plain_loop(env_steps: int, eval_every: int, overrides: dict | None = None, s
 
 
 def main():
+    global PRESET  # the functions above read the preset chosen here
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--env-steps", type=int, default=2_500_000)
     parser.add_argument("--checkpoint-steps", type=int, default=625_000,
@@ -257,7 +258,6 @@ def main():
                         help="maddpg-mpe (jaxmarl's reward, local_ratio 0.5) or maddpg-mpe-parl "
                              "(PARL 2022's reward, local_ratio 0)")
     args = parser.parse_args()
-    global PRESET
     PRESET = args.preset
     name = PRESET.replace("-", "_")  # maddpg_mpe, maddpg_mpe_parl
 
