@@ -93,15 +93,18 @@ def make_scorer(spec_env, act, n_episodes: int):
     @jax.jit
     def score(params, key):
         dist_sum, touches, reward, done = jax.vmap(episode, (None, 0))(params, jax.random.split(key, n_episodes))
-        local = -0.5 * touches - 0.5 * dist_sum[..., None]  # jaxmarl, local_ratio 0.5
+        local = -0.5 * touches - 0.5 * dist_sum[..., None]  # jaxmarl's default, local_ratio 0.5
+        ratio = float(env.local_ratio)  # what this preset trains on (0 for maddpg-mpe-parl)
         per_agent = local.sum(axis=1)  # [episode, agent]
         parl_2022 = -float(n) * dist_sum.sum(axis=1)
         parl_2021 = (float(n) * (-float(n) * dist_sum - touches.sum(-1) - float(n))).sum(axis=1)
         return {"jaxmarl_per_agent": per_agent.mean(), "jaxmarl_sum": per_agent.sum(-1).mean(),
                 "parl_2022_pz_sum": parl_2022.mean(), "parl_2021_openai_sum": parl_2021.mean(),
                 "mean_landmark_dist_sum": dist_sum.mean(), "collisions_per_step": touches.sum(-1).mean() / 2,
-                # checks: our jaxmarl reconstruction is the env's own reward; episodes are 25 steps
-                "reconstruction_error": jnp.abs(local - reward).max(),
+                # checks: our reconstruction of the reward trained on (local_ratio r:
+                # -r c_i - (1 - r) D) is the env's own; episodes are 25 steps
+                "reconstruction_error": jnp.abs(-ratio * touches - (1 - ratio) * dist_sum[..., None]
+                                                - reward).max(),
                 "done_at_25": done[:, -1].all() & ~done[:, :-1].any()}
 
     return score
