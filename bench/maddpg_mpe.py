@@ -142,7 +142,7 @@ def random_policy_scores() -> dict:
 
 
 def pipeline_run(env_steps: int, checkpoint_steps: int, run_dir: str, eval_every: int,
-                 max_wall_s: float = 0.0) -> dict:
+                 max_wall_s: float = 0.0, settings: dict | None = None) -> dict:
     """marl_train to checkpoint_steps, then resumed to env_steps (stopping early after
     max_wall_s of that second leg, if set); both end on a checkpoint that is scored in
     every convention."""
@@ -164,7 +164,7 @@ def pipeline_run(env_steps: int, checkpoint_steps: int, run_dir: str, eval_every
             print(f"[pipeline] {row['env_steps']:>9,} steps {rows[-1]['wall_s']:7.1f} s  "
                   f"test return (per agent) {row['test_return']:.2f}", flush=True)
 
-    config = make_run_config(PRESET, run_dir=run_dir)
+    config = make_run_config(PRESET, run_dir=run_dir, overrides=settings or {})
     env = envs.make(config.env_id, **config.env_kwargs)
     learner = algos.make_learner("maddpg", env.spec, config.algo_config())
     target = jax.tree.map(np.asarray, learner.init(jax.random.PRNGKey(0)))  # restore's shapes
@@ -172,7 +172,7 @@ def pipeline_run(env_steps: int, checkpoint_steps: int, run_dir: str, eval_every
     train_flow.ITERATION_HOOKS.append(record)
     try:
         for leg, steps in enumerate(sorted({checkpoint_steps, env_steps})):
-            overrides = {"eval_every": str(eval_every)}
+            overrides = {"eval_every": str(eval_every), **(settings or {})}
             if leg and max_wall_s:
                 overrides["max_wall_s"] = str(max_wall_s)
             result = train_flow.marl_train(preset=PRESET, env_steps=steps, run_dir=run_dir,
@@ -255,7 +255,7 @@ def main():
     parser.add_argument("--eval-every", type=int, default=10, help="iterations between evaluations")
     parser.add_argument("--no-reference", action="store_true")
     parser.add_argument("--no-pipeline", action="store_true", help="plain loop only (tuning)")
-    parser.add_argument("--set", action="append", default=[], help="algorithm override key=value (plain loop)")
+    parser.add_argument("--set", action="append", default=[], help="algorithm override key=value")
     parser.add_argument("--run-root", default="runs/bench-maddpg-mpe")
     parser.add_argument("--preset", default=PRESET,
                         help="maddpg-mpe (jaxmarl's reward, local_ratio 0.5) or maddpg-mpe-parl "
@@ -272,12 +272,12 @@ def main():
     random_scores = random_policy_scores()
     print(f"[random] {random_scores}", flush=True)
     results = []
+    overrides = dict(kv.split("=", 1) for kv in args.set)
     if not args.no_pipeline:
         results.append(pipeline_run(args.env_steps, args.checkpoint_steps,
                                     os.path.join(args.run_root, "pipeline"), args.eval_every,
-                                    args.max_wall_s))
+                                    args.max_wall_s, overrides))
     if not args.no_reference:
-        overrides = dict(kv.split("=", 1) for kv in args.set)
         results.append(plain_loop(args.reference_steps, args.eval_every, overrides))
 
     rows = [["random policy", "-", "-", "-", f"{random_scores['jaxmarl_per_agent']:.2f}",
