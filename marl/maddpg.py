@@ -9,10 +9,14 @@ Every agent has its own actor and its own critic (separate parameters, stacked a
 leading agent axis and applied with `vmap`), as in the original algorithm; with
 `share_params` one actor and one critic serve all agents, told apart by a one-hot id. Continuous
 actions are tanh outputs mapped to the env's bounds, explored with clipped Gaussian noise
-whose scale decays with env steps. Discrete actions use the straight-through
+whose scale decays with env steps, or (`learned_std`, as PARL's continuous MADDPG) sampled
+as tanh(mean + std * N(0, 1)) with the std a second actor head, the sample also being what
+the actor is trained through and what the target actors answer with. Discrete actions use the straight-through
 Gumbel-softmax: a hard one-hot forward, the soft sample's gradient backward; unavailable
 actions get a logit of -1e9, so they are never chosen. Targets use target actors and
-critics that follow the online ones by Polyak averaging (tau).
+critics that follow the online ones by Polyak averaging (tau). With `twin_critics` each
+agent has two critics and bootstraps on the smaller target value, TD3's fix for
+overestimated Q values (as MATD3).
 
 Training data are (s, a, r, done, s') transitions: windows of two steps sampled from the
 replay ring. The store records obs and actions at step t and the reward/done of the step t
@@ -35,6 +39,7 @@ from marl.envs import EnvSpec
 from marl.learner import Learner
 
 MASKED_LOGIT = -1e9  # an unavailable discrete action's logit: zero probability, never argmax
+LOG_STD_MIN, LOG_STD_MAX = -10.0, 2.0  # learned_std: keeps exp(log std) finite early on
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,6 +59,14 @@ class Config:
     noise_start: float = 0.3
     noise_end: float = 0.05
     noise_decay_steps: int = 500_000
+    # continuous, True: the actor also outputs a log std per action dim (PARL 2022): exploring
+    # and training use tanh(mean + std * noise), the greedy action is tanh(mean), and the
+    # noise_* schedule is unused; the regulariser covers the log std too, pulling it to 0
+    learned_std: bool = False
+    # TD3's fix for Q overestimation (MATD3, Ackermann et al. 2019): two critics per agent,
+    # both fitted to the smaller of their two target values; the actor follows the first
+    twin_critics: bool = False
+    actor_every: int = 1  # TD3's policy delay: one actor step per this many critic steps
     gumbel_temperature: float = 1.0  # discrete actions
     # one actor and one critic for all agents, told apart by a one-hot agent id (each
     # network then learns from every agent's transitions); False: one per agent (original)
@@ -113,8 +126,13 @@ def transitions(windows):
 def make_learner(spec: EnvSpec, config: Config):
     n_agents, discrete = spec.n_agents, spec.discrete
     act_size = spec.n_actions if discrete else spec.action_dim
-    actor = MLP(config.hidden, act_size)
+    learned_std = config.learned_std and not discrete
+    actor = MLP(config.hidden, 2 * act_size if learned_std else act_size)
+    n_q = 2 if config.twin_critics else 1  # critics per agent
     critic = MLP(config.hidden, 1)
+    if config.twin_critics:  # two independent MLPs, their outputs on the last axis
+        critic = nn.vmap(MLP, variable_axes={"params": 0}, split_rngs={"params": True},
+                         in_axes=None, out_axes=-1, axis_size=2)(config.hidden, 1)
     low, high = spec.action_low, spec.action_high
     # networks live stacked on a leading axis; agent i uses network net_of[i]
     n_nets = 1 if config.share_params else n_agents
@@ -163,12 +181,20 @@ def make_learner(spec: EnvSpec, config: Config):
         x = jnp.concatenate([obs, ids], axis=-1)
         return jax.vmap(actor.apply, in_axes=(0, -2), out_axes=-2)(per_agent(actor_params), x)
 
+    def squashed_sample(out, key, scale=1.0):
+        """learned_std: tanh(mean + scale * std * noise) from the actor's [mean, log std]."""
+        mean, log_std = jnp.split(out, 2, axis=-1)
+        std = jnp.exp(jnp.clip(log_std, LOG_STD_MIN, LOG_STD_MAX))
+        return jnp.tanh(mean + scale * std * jax.random.normal(key, mean.shape))
+
     def policy_actions(actor_params, obs, avail, key):
         """What the actors do in training (critic inputs): [..., agent, act_size], and the
         actors' raw outputs (for the regulariser)."""
         out = actor_outputs(actor_params, obs)
         if discrete:
             return gumbel_straight_through(key, out, avail, config.gumbel_temperature), out
+        if learned_std:
+            return squashed_sample(out, key), out
         return jnp.tanh(out), out
 
     def critic_actions(action):
@@ -178,22 +204,24 @@ def make_learner(spec: EnvSpec, config: Config):
         return from_env(action)
 
     def critic_q(p, agent_id, obs, actions):
-        """One agent's Q(all obs, all actions): obs [B, agent, obs], actions [B, agent, act] -> [B]."""
+        """One agent's Q(all obs, all actions), each of its n_q critics: obs [B, agent, obs],
+        actions [B, agent, act] -> [B, n_q]."""
         batch = obs.shape[0]
         x = jnp.concatenate([obs.reshape(batch, -1), actions.reshape(batch, -1),
                              jnp.broadcast_to(agent_id, (batch, agent_id.shape[0]))], axis=-1)
-        return critic.apply(p, x)[..., 0]
+        return critic.apply(p, x).reshape(batch, n_q)
 
     def q_values(critic_params, obs, actions):
-        """Q_i(all obs, all actions) for every agent i -> [B, agent]."""
+        """Q_i(all obs, all actions) for every agent i -> [B, agent, n_q]."""
         q = jax.vmap(critic_q, in_axes=(0, 0, None, None))(per_agent(critic_params), agent_ids, obs, actions)
-        return jnp.moveaxis(q, 0, -1)
+        return jnp.moveaxis(q, 0, 1)
 
     # ------------------------------------------------------------------------ acting
 
     def act(params, carry, obs, avail, reset, key, explore):
         """params are the actors'. Continuous: tanh + clipped Gaussian noise of std
-        explore["noise_std"]; discrete: a Gumbel-max sample over available actions when
+        explore["noise_std"] (learned_std: the actor's own sample when explore["sample"] > 0,
+        else tanh(mean)); discrete: a Gumbel-max sample over available actions when
         explore["sample"] > 0, else the greedy available action."""
         out = actor_outputs(params, obs)
         if discrete:
@@ -201,6 +229,8 @@ def make_learner(spec: EnvSpec, config: Config):
             g = jax.random.gumbel(key, logits.shape) * (explore["sample"] > 0)
             actions = jnp.argmax(logits / config.gumbel_temperature + g, axis=-1).astype(jnp.int32)
             return actions, carry, {}
+        if learned_std:
+            return to_env(squashed_sample(out, key, explore["sample"])).astype(jnp.float32), carry, {}
         noise = explore["noise_std"] * jax.random.normal(key, out.shape)
         u = jnp.clip(jnp.tanh(out) + noise, -1.0, 1.0)
         return to_env(u).astype(jnp.float32), carry, {}
@@ -218,11 +248,11 @@ def make_learner(spec: EnvSpec, config: Config):
     # ------------------------------------------------------------------------ losses
 
     def td_terms(params, target_params, batch, key):
-        """Q_i of the stored actions, their one-step targets and the weight of each
-        transition in the loss, [B, agent] each (see time_limit_bootstrap)."""
+        """Q_i of the stored actions [B, agent, n_q], their one-step targets and the weight
+        of each transition in the loss, [B, agent] each (see time_limit_bootstrap)."""
         next_actions, _ = policy_actions(target_params["actor"], batch["next_obs"],
                                          batch["next_avail"], key)
-        next_q = q_values(target_params["critic"], batch["next_obs"], next_actions)
+        next_q = q_values(target_params["critic"], batch["next_obs"], next_actions).min(-1)
         done = batch["done"][:, None]
         if config.time_limit_bootstrap:
             target, weight = batch["reward"] + config.gamma * next_q, jnp.broadcast_to(1.0 - done, next_q.shape)
@@ -233,10 +263,10 @@ def make_learner(spec: EnvSpec, config: Config):
 
     def critic_loss(critic_params, params, target_params, batch, key):
         q, target, weight = td_terms({**params, "critic": critic_params}, target_params, batch, key)
-        td = q - target
+        td, weight = q - target[..., None], weight[..., None]  # every critic on the same target
         loss = jnp.sum(weight * td**2) / jnp.maximum(weight.sum(), 1.0)
         return loss, {"critic_loss": loss, "q": q.mean(),
-                      "td_abs": jnp.sum(weight * jnp.abs(td)) / jnp.maximum(weight.sum(), 1.0)}
+                      "td_abs": jnp.sum(weight * jnp.abs(td)) / jnp.maximum(n_q * weight.sum(), 1.0)}
 
     def actor_loss(actor_params, critic_params, batch, key):
         """-Q_i with agent i's action from its actor and the others' from the replay."""
@@ -246,7 +276,7 @@ def make_learner(spec: EnvSpec, config: Config):
         joint = jnp.where(own, new[None], stored[None])  # [agent i, B, agent j, act]
 
         critics = per_agent(jax.lax.stop_gradient(critic_params))
-        q = jax.vmap(critic_q, in_axes=(0, 0, None, 0))(critics, agent_ids, batch["obs"], joint)  # [agent, B]
+        q = jax.vmap(critic_q, in_axes=(0, 0, None, 0))(critics, agent_ids, batch["obs"], joint)[..., 0]  # [agent, B]
         if discrete:  # penalise only the available actions' logits
             raw = jnp.where(batch["avail"], raw, 0.0)
         reg = jnp.mean(raw**2)
@@ -275,6 +305,11 @@ def make_learner(spec: EnvSpec, config: Config):
         a_grads, a_metrics = jax.grad(actor_loss, has_aux=True)(params["actor"], new_critic, batch, k_actor)
         new_actor, actor_opt_state = apply_per_network(actor_opt, a_grads, train_state["actor_opt"],
                                                      params["actor"])
+        if config.actor_every > 1:  # TD3's delayed policy updates: the other steps keep the actor
+            step = train_state["updates"] % config.actor_every == 0
+            new_actor, actor_opt_state = jax.tree.map(lambda new, old: jnp.where(step, new, old),
+                                                      (new_actor, actor_opt_state),
+                                                      (params["actor"], train_state["actor_opt"]))
         params = {"actor": new_actor, "critic": new_critic}
         metrics = {**c_metrics, **a_metrics, "loss": c_metrics["critic_loss"],
                    "critic_grad_norm": optax.global_norm(c_grads),
@@ -301,8 +336,9 @@ def make_learner(spec: EnvSpec, config: Config):
         batch_size, length = windows["done"].shape
         q, target, weight = td_terms(train_state["params"], train_state["target_params"],
                                      transitions(windows), jax.random.PRNGKey(0))
+        q = q[..., 0]  # the first critic's (the one the actor follows)
         last = {k: v[:, -1] for k, v in windows.items()}
-        q_last = q_values(train_state["params"]["critic"], last["obs"], critic_actions(last["action"]))
+        q_last = q_values(train_state["params"]["critic"], last["obs"], critic_actions(last["action"]))[..., 0]
         q_taken = jnp.concatenate([q.reshape(batch_size, length - 1, n_agents), q_last[:, None]], axis=1)
         td = jnp.where(weight > 0, q - target, jnp.nan).reshape(batch_size, length - 1, n_agents)
         td = jnp.concatenate([td, jnp.full_like(td[:, :1], jnp.nan)], axis=1)

@@ -77,6 +77,62 @@ def test_continuous_actions_stay_in_bounds(continuous):
     np.testing.assert_allclose(stds, [learner.config.noise_start, learner.config.noise_end], rtol=1e-6)
 
 
+def test_learned_std_actor_samples_in_training_and_is_deterministic_when_greedy(continuous):
+    env, _, _, windows, _ = continuous
+    learner = algos.make_learner("maddpg", env.spec, algos.config_for("maddpg", {**SMALL, "learned_std": "true"}))
+    state = learner.init(jax.random.PRNGKey(0))
+    # the actor's last layer has a mean and a log std per action dim
+    assert jax.tree.leaves(state["params"]["actor"])[-1].shape[-1] == 2 * env.spec.action_dim
+    obs = jax.random.normal(jax.random.PRNGKey(3), (256, 3, env.spec.obs_dim))
+    params, act = learner.policy_params(state), jax.jit(learner.act)
+    run = lambda explore, seed: np.asarray(act(params, learner.init_carry(256), obs, jnp.ones((256, 3, 1), bool),
+                                              jnp.zeros(256, bool), jax.random.PRNGKey(seed), explore)[0])
+    explore = learner.exploration(jnp.float32(0))
+    greedy = [run(learner.greedy, s) for s in (4, 5)]
+    sampled = [run(explore, s) for s in (4, 5)]
+    np.testing.assert_array_equal(greedy[0], greedy[1])
+    assert (sampled[0] != sampled[1]).mean() > 0.9 and (sampled[0] != greedy[0]).mean() > 0.9
+    for a in (*greedy, *sampled):
+        assert a.min() >= env.spec.action_low and a.max() <= env.spec.action_high
+    new, metrics = learner.update(state, windows)
+    assert np.isfinite(float(metrics["critic_loss"])) and np.isfinite(float(metrics["actor_loss"]))
+    moved = [not np.allclose(a, b) for a, b in zip(jax.tree.leaves(new["params"]["actor"]),
+                                                   jax.tree.leaves(state["params"]["actor"]))]
+    assert all(moved)  # the log-std head is trained as well
+
+
+def test_twin_critics_are_independent_and_bootstrap_on_the_smaller_target_q(continuous):
+    env, _, _, windows, _ = continuous
+    learner = algos.make_learner("maddpg", env.spec, algos.config_for("maddpg", {**SMALL, "twin_critics": "true"}))
+    state = learner.init(jax.random.PRNGKey(0))
+    kernel = np.asarray(jax.tree.leaves(state["params"]["critic"])[1])  # [agent net, twin, in, out]
+    assert kernel.shape[1] == 2 and not np.allclose(kernel[:, 0], kernel[:, 1])
+
+    def first_step_targets(train_state):  # Q1(s, a) - TD error = the bootstrapped target
+        out = learner.score(train_state, windows)
+        return np.asarray(out["q_taken"][0][:, 0] - out["td_error"][0][:, 0])
+
+    both = first_step_targets(state)
+    # with the second target critic a copy of the first, min(Q1', Q2') is Q1'
+    copy_first = jax.tree.map(lambda p: p.at[:, 1].set(p[:, 0]), state["target_params"]["critic"])
+    first_only = first_step_targets({**state, "target_params": {**state["target_params"], "critic": copy_first}})
+    has_target = ~np.isnan(both)
+    assert has_target.mean() > 0.5
+    assert (both[has_target] <= first_only[has_target] + 1e-6).all()
+    assert (both[has_target] < first_only[has_target] - 1e-4).mean() > 0.2
+
+
+def test_delayed_actor_steps_every_other_update_and_the_critic_every_update(continuous):
+    env, _, _, windows, _ = continuous
+    learner = algos.make_learner("maddpg", env.spec, algos.config_for("maddpg", {**SMALL, "actor_every": "2"}))
+    states = [learner.init(jax.random.PRNGKey(0))]
+    for _ in range(3):
+        states.append(learner.update(states[-1], windows)[0])
+    moved = lambda net: [not np.allclose(jax.tree.leaves(a["params"][net])[0], jax.tree.leaves(b["params"][net])[0])
+                         for a, b in zip(states, states[1:])]
+    assert moved("actor") == [True, False, True] and moved("critic") == [True, True, True]
+
+
 def test_one_critic_update_on_a_fixed_batch_lowers_the_td_loss(continuous):
     _, learner, state, windows, _ = continuous
     batch = maddpg.transitions(windows)
