@@ -129,10 +129,10 @@ def make_learner(spec: EnvSpec, config: Config):
     learned_std = config.learned_std and not discrete
     actor = MLP(config.hidden, 2 * act_size if learned_std else act_size)
     n_q = 2 if config.twin_critics else 1  # critics per agent
-    critic = MLP(config.hidden, 1)
-    if config.twin_critics:  # two independent MLPs, their outputs on the last axis
-        critic = nn.vmap(MLP, variable_axes={"params": 0}, split_rngs={"params": True},
-                         in_axes=None, out_axes=-1, axis_size=2)(config.hidden, 1)
+    # twin: two independent MLPs, their outputs on the last axis
+    critic_cls = nn.vmap(MLP, variable_axes={"params": 0}, split_rngs={"params": True},
+                         in_axes=None, out_axes=-1, axis_size=2) if config.twin_critics else MLP
+    critic = critic_cls(config.hidden, 1)
     low, high = spec.action_low, spec.action_high
     # networks live stacked on a leading axis; agent i uses network net_of[i]
     n_nets = 1 if config.share_params else n_agents

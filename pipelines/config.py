@@ -156,8 +156,8 @@ PRESETS: dict[str, dict] = {
     # (gamma 0.95, tau 0.01, batch 1024, 64-unit MLPs, ~1e5-transition replay, learning
     # after 25.6k steps, one update per 100 env steps: 32 per 64 x 50 region) but with
     # TD3's twin critics and delayed actor steps (as MATD3) and lr 3e-3 where PARL has 1e-2:
-    # -49.7 against -57.1 (PARL 2022 convention, mean of 3 seeds at 2.5M env steps,
-    # BENCHMARKS.md). MPE episodes end only at the time limit, so the critic bootstraps
+    # -49.4 over 5 seeds against -57.1 over 3 with PARL's settings (PARL 2022 convention,
+    # at 2.5M env steps, BENCHMARKS.md). MPE episodes end only at the time limit, so the critic bootstraps
     # through it.
     # max_steps=24: jaxmarl's episodes run max_steps + 1 steps, so these are PARL's 25
     "maddpg-mpe": _MADDPG_MPE,
