@@ -3,8 +3,8 @@ seed) is bench/maddpg_mpe.py's plain jitted loop (same learner, collector and ri
 as the pipeline, no Dask, Prefect or Zarr), trained to --env-steps and scored on 1,000
 fresh greedy episodes in every reward convention. One process per CPU core at a time.
 
-    python bench/maddpg_seeds.py --preset maddpg-mpe-parl --seeds 0 1 2 \
-        --variant preset= --variant parl=twin_critics=false,actor_lr=1e-2,critic_lr=1e-2
+    python bench/maddpg_seeds.py --preset maddpg-mpe-parl --seeds 0 1 2 3 4 --variant preset= \
+        --variant parl=twin_critics=false,actor_every=1,actor_lr=1e-2,critic_lr=1e-2,gamma=0.95,n_step=1
 
 A variant is NAME=key=value,key=value (empty: the preset as it is). Writes
 bench/results/maddpg_seeds.{json,md,png}.

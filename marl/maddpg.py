@@ -19,10 +19,10 @@ agent has two critics and bootstraps on the smaller target value, TD3's fix for
 overestimated Q values (as MATD3).
 
 Training data are (s, a, r, done, s') transitions: windows of two steps sampled from the
-replay ring. The store records obs and actions at step t and the reward/done of the step t
-led to; after a done the next obs are the reset obs, so the bootstrap is masked by done
-(or, with `time_limit_bootstrap`, where a done is only a time limit, that transition is
-left out and the critic bootstraps through the limit).
+replay ring (n + 1 steps for `n_step` returns). The store records obs and actions at step t
+and the reward/done of the step t led to; after a done the next obs are the reset obs, so
+the bootstrap is masked by done (or, with `time_limit_bootstrap`, where a done is only a
+time limit, that transition is left out and the critic bootstraps through the limit).
 """
 
 from __future__ import annotations
@@ -48,6 +48,9 @@ class Config:
     actor_lr: float = 1e-2
     critic_lr: float = 1e-2
     gamma: float = 0.95
+    # n-step returns: the critic's target sums n rewards before it bootstraps (n - 1 of
+    # them from the replay's older behaviour, a bias that stays small at low noise)
+    n_step: int = 1
     tau: float = 0.01  # Polyak rate: target <- (1 - tau) target + tau online, every update
     max_grad_norm: float = 0.5  # per agent, as PARL
     batch_size: int = 1024  # transitions per update
@@ -113,14 +116,47 @@ def gumbel_straight_through(key, logits, avail, temperature: float = 1.0):
     return hard + soft - jax.lax.stop_gradient(soft)
 
 
-def transitions(windows):
-    """[B, L] windows -> (s, a, r, done, s') over their first L-1 steps, flattened to [B(L-1)]."""
-    now = lambda x: x[:, :-1].reshape(-1, *x.shape[2:])
-    nxt = lambda x: x[:, 1:].reshape(-1, *x.shape[2:])
-    return {"obs": now(windows["obs"]), "action": now(windows["action"]),
-            "avail": now(windows["avail_actions"]), "reward": now(windows["reward"]),
-            "done": now(windows["done"]).astype(jnp.float32),
-            "next_obs": nxt(windows["obs"]), "next_avail": nxt(windows["avail_actions"])}
+def transitions(windows, gamma: float, time_limit_bootstrap: bool, n_step: int = 1):
+    """[B, L] windows -> n-step transitions from every start with n steps after it, flattened
+    to [B(L-n)]: (s, a) of the start, the discounted sum of the rewards up to the bootstrap
+    step, its obs s' and the discount on Q(s'), and the transition's weight in the loss.
+
+    A done inside the n steps ends the sum. Terminal (not time_limit_bootstrap): the rewards
+    up to and including the done step count and the bootstrap is zeroed. Time limit: the
+    sum stops before the done step and bootstraps on that step's obs, a real state of the
+    same episode (the obs after a done are the next episode's); a transition that starts at
+    a done is left out (weight 0)."""
+    length = windows["done"].shape[1]
+    steps = jnp.arange(n_step)
+
+    def from_start(t):
+        window = lambda x, size: jax.lax.dynamic_slice_in_dim(x, t, size, axis=1)
+        done = window(windows["done"], n_step).astype(jnp.float32)  # [B, n]
+        if time_limit_bootstrap:  # bootstrap step m: the first done after the start, or n
+            m = 1 + jnp.sum(jnp.cumprod(1.0 - done[:, 1:], axis=1), axis=1).astype(jnp.int32)
+            counted = (steps[None] < m[:, None]).astype(jnp.float32)
+            discount, weight = gamma ** m, 1.0 - done[:, 0]
+        else:
+            m = jnp.full(done.shape[:1], n_step)
+            # terminal: a reward counts up to and including the first done
+            counted = jnp.concatenate([jnp.ones_like(done[:, :1]), jnp.cumprod(1.0 - done, axis=1)[:, :-1]],
+                                      axis=1)
+            discount, weight = gamma**n_step * jnp.prod(1.0 - done, axis=1), jnp.ones_like(done[:, 0])
+
+        def at(x, i):  # x at step i (per window) of this start's n + 1 steps
+            return jnp.take_along_axis(window(x, n_step + 1), i.reshape(-1, 1, *[1] * (x.ndim - 2)), axis=1)[:, 0]
+
+        first = lambda x: window(x, 1)[:, 0]
+        return {"obs": first(windows["obs"]), "action": first(windows["action"]),
+                "avail": first(windows["avail_actions"]),
+                "reward": jnp.sum((gamma**steps * counted)[..., None] * window(windows["reward"], n_step),
+                                  axis=1),
+                "discount": discount, "weight": weight,
+                "next_obs": at(windows["obs"], m), "next_avail": at(windows["avail_actions"], m)}
+
+    # [B, L-n] flattened window-major, the layout that score() reshapes back
+    per_start = jax.vmap(from_start, out_axes=1)(jnp.arange(length - n_step))
+    return jax.tree.map(lambda x: x.reshape(-1, *x.shape[2:]), per_start)
 
 
 def make_learner(spec: EnvSpec, config: Config):
@@ -253,11 +289,8 @@ def make_learner(spec: EnvSpec, config: Config):
         next_actions, _ = policy_actions(target_params["actor"], batch["next_obs"],
                                          batch["next_avail"], key)
         next_q = q_values(target_params["critic"], batch["next_obs"], next_actions).min(-1)
-        done = batch["done"][:, None]
-        if config.time_limit_bootstrap:
-            target, weight = batch["reward"] + config.gamma * next_q, jnp.broadcast_to(1.0 - done, next_q.shape)
-        else:
-            target, weight = batch["reward"] + config.gamma * (1.0 - done) * next_q, jnp.ones_like(next_q)
+        target = batch["reward"] + batch["discount"][:, None] * next_q
+        weight = jnp.broadcast_to(batch["weight"][:, None], next_q.shape)
         q = q_values(params["critic"], batch["obs"], critic_actions(batch["action"]))
         return q, jax.lax.stop_gradient(target), weight
 
@@ -296,7 +329,7 @@ def make_learner(spec: EnvSpec, config: Config):
         """One critic and one actor step on a batch of transitions, then the soft target update."""
         key, k_target, k_actor = jax.random.split(train_state["key"], 3)
         params, target_params = train_state["params"], train_state["target_params"]
-        batch = transitions(windows)
+        batch = transitions(windows, config.gamma, config.time_limit_bootstrap, config.n_step)
         # the sum over agents gives each agent's network the gradient of its own loss
         c_grads, c_metrics = jax.grad(critic_loss, has_aux=True)(
             params["critic"], params, target_params, batch, k_target)
@@ -323,7 +356,7 @@ def make_learner(spec: EnvSpec, config: Config):
 
         def body(state, _):
             key, sample_key = jax.random.split(state["key"])
-            windows = buffer.sample_windows(sample_key, arrays, valid, config.batch_size, 2)
+            windows = buffer.sample_windows(sample_key, arrays, valid, config.batch_size, config.n_step + 1)
             return update({**state, "key": key}, windows)
 
         train_state, metrics = jax.lax.scan(body, train_state, None, n_updates)
@@ -335,7 +368,8 @@ def make_learner(spec: EnvSpec, config: Config):
     def score_arrays(train_state, windows):
         batch_size, length = windows["done"].shape
         q, target, weight = td_terms(train_state["params"], train_state["target_params"],
-                                     transitions(windows), jax.random.PRNGKey(0))
+                                     transitions(windows, config.gamma, config.time_limit_bootstrap),
+                                     jax.random.PRNGKey(0))
         q = q[..., 0]  # the first critic's (the one the actor follows)
         last = {k: v[:, -1] for k, v in windows.items()}
         q_last = q_values(train_state["params"]["critic"], last["obs"], critic_actions(last["action"]))[..., 0]
@@ -345,7 +379,7 @@ def make_learner(spec: EnvSpec, config: Config):
         return {"q_taken": q_taken, "td_error": td}
 
     def score(train_state, windows):
-        """Per-agent Q_i of the stored actions and TD errors of stored windows [B, L]
+        """Per-agent Q_i of the stored actions and one-step TD errors of stored windows [B, L]
         (NaN where there is no target: the last step, and episode ends under
         time_limit_bootstrap), each with its dims after (step, env)."""
         return {k: (v, ("agent",)) for k, v in score_arrays(train_state, windows).items()}

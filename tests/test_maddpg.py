@@ -133,9 +133,41 @@ def test_delayed_actor_steps_every_other_update_and_the_critic_every_update(cont
     assert moved("actor") == [True, False, True] and moved("critic") == [True, True, True]
 
 
+def test_n_step_targets_stop_at_a_done_as_a_time_limit_or_a_terminal_state():
+    # one window of 5 steps, one agent: rewards 1, 2, 3, 4, 5, obs = the step index, and an
+    # episode that ends at step 1 (its step 2 is the next episode's reset obs)
+    g = 0.5
+    windows = {"obs": jnp.arange(5.0).reshape(1, 5, 1, 1), "action": jnp.zeros((1, 5, 1, 1)),
+               "avail_actions": jnp.ones((1, 5, 1, 1), bool), "reward": jnp.arange(1.0, 6.0).reshape(1, 5, 1),
+               "done": jnp.array([[False, True, False, False, False]])}
+    n = 3  # starts 0 and 1
+    limit = maddpg.transitions(windows, g, True, n)
+    # start 0: r0 and bootstrap on obs 1 (the step that hit the limit); start 1 (at the done) left out
+    np.testing.assert_allclose(limit["reward"][:, 0], [1.0, 2.0 + g * 3 + g**2 * 4])
+    np.testing.assert_allclose(limit["discount"], [g, g**3])
+    np.testing.assert_allclose(limit["next_obs"][:, 0, 0], [1.0, 4.0])
+    np.testing.assert_allclose(limit["weight"], [1.0, 0.0])
+    terminal = maddpg.transitions(windows, g, False, n)
+    # start 0: r0 + g r1, then nothing (terminal); start 1: its own reward only
+    np.testing.assert_allclose(terminal["reward"][:, 0], [1.0 + g * 2, 2.0])
+    np.testing.assert_allclose(terminal["discount"], [0.0, 0.0])
+    np.testing.assert_allclose(terminal["weight"], [1.0, 1.0])
+    # no done: the full n-step sum and its bootstrap
+    clear = maddpg.transitions({**windows, "done": jnp.zeros((1, 5), bool)}, g, True, n)
+    np.testing.assert_allclose(clear["reward"][:, 0], [1 + g * 2 + g**2 * 3, 2 + g * 3 + g**2 * 4])
+    np.testing.assert_allclose(clear["discount"], [g**3, g**3])
+    np.testing.assert_allclose(clear["next_obs"][:, 0, 0], [3.0, 4.0])
+    # one step, as before: every start but the last
+    one = maddpg.transitions(windows, g, True)
+    np.testing.assert_allclose(one["reward"][:, 0], [1.0, 2.0, 3.0, 4.0])
+    np.testing.assert_allclose(one["weight"], [1.0, 0.0, 1.0, 1.0])
+    with pytest.raises(algos.ConfigError, match="n_step=25 must be at least 1 and below steps_per_region=25"):
+        make_run_config(TINY, overrides={"n_step": "25"})
+
+
 def test_one_critic_update_on_a_fixed_batch_lowers_the_td_loss(continuous):
     _, learner, state, windows, _ = continuous
-    batch = maddpg.transitions(windows)
+    batch = maddpg.transitions(windows, learner.config.gamma, learner.config.time_limit_bootstrap)
     key = jax.random.PRNGKey(5)
     loss = lambda s: float(learner.loss_fn(s["params"]["critic"], s["params"], state["target_params"], batch, key)[0])
     new, metrics = learner.update(state, windows)
