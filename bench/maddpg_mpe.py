@@ -330,18 +330,16 @@ def main():
     if not args.no_reference:
         results.append(plain_loop(args.reference_steps, args.eval_every, overrides))
 
-    rows = [["random policy", "-", "-", "-", f"{random_scores['jaxmarl_per_agent']:.2f}",
-             f"{random_scores['jaxmarl_sum']:.1f}", f"{random_scores['parl_2022_pz_sum']:.1f}",
-             f"{random_scores['parl_2021_openai_sum']:.1f}"],
-            ["hand-written controller (assignment + steering)", "-", "-", "-",
-             f"{controller_scores['jaxmarl_per_agent']:.2f}", f"{controller_scores['jaxmarl_sum']:.1f}",
-             f"{controller_scores['parl_2022_pz_sum']:.1f}", f"{controller_scores['parl_2021_openai_sum']:.1f}"]]
+    def score_cells(scores: dict) -> list[str]:  # the table's four return columns
+        return [f"{scores['jaxmarl_per_agent']:.2f}", f"{scores['jaxmarl_sum']:.1f}",
+                f"{scores['parl_2022_pz_sum']:.1f}", f"{scores['parl_2021_openai_sum']:.1f}"]
+
+    rows = [["random policy", "-", "-", "-", *score_cells(random_scores)],
+            ["hand-written controller (assignment + steering)", "-", "-", "-", *score_cells(controller_scores)]]
     for r in results:
         for p in r["points"]:
             rows.append([r["label"], f"{p['env_steps']:,} ({p['env_steps'] // EPISODE:,} ep.)",
-                         f"{p['wall_s']:.0f}", f"{p['env_steps'] / p['wall_s']:,.0f}",
-                         f"{p['jaxmarl_per_agent']:.2f}", f"{p['jaxmarl_sum']:.1f}",
-                         f"{p['parl_2022_pz_sum']:.1f}", f"{p['parl_2021_openai_sum']:.1f}"])
+                         f"{p['wall_s']:.0f}", f"{p['env_steps'] / p['wall_s']:,.0f}", *score_cells(p)])
     rows.append(["PARL 2021 plot (OpenAI MPE)", "625,000 (25k ep.)", "-", "-", "-", "-", "-",
                  "-456.8 / -465.9 / -464.1 (3 runs; start about -850)"])
     rows.append(["PARL 2022 plot (PettingZoo, local_ratio=0)", "625,000 (25k ep.)", "-", "-", "-", "-",
@@ -349,8 +347,8 @@ def main():
     rows.append(["PARL 2022 plot (PettingZoo, local_ratio=0)", "2,500,000 (100k ep.)", "-", "-", "-", "-",
                  "about -50 (start -200)", "-"])
     plt = report.save(
-        name, {"preset": PRESET, "random": random_scores, "hand_controller": controller_scores, "parl": PARL, "results": results,
-                       "eval_episodes": EVAL_EPISODES, "episode_steps": EPISODE},
+        name, {"preset": PRESET, "random": random_scores, "hand_controller": controller_scores, "parl": PARL,
+               "results": results, "eval_episodes": EVAL_EPISODES, "episode_steps": EPISODE},
         ["run", "env steps", "wall s", "env steps/s", "per-agent return (jaxmarl)",
          "sum over agents (jaxmarl)", "PARL 2022 convention (sum)", "PARL 2021 convention (sum)"],
         ["---", "---:", "---:", "---:", "---:", "---:", "---:", "---:"], rows)
