@@ -152,7 +152,7 @@ def cmd_replay_info(args) -> int:
                       f"{int(np.min(pv))}..{int(np.max(pv))}")
 
     console.print(_arrays_table(path, [*store.fields, "region", "iteration", "collector",
-                                       "param_version", "commit"]))
+                                       "param_version", "commit", "trained_version"]))
     console.print(f"size on disk: {_size(_dir_size(path))}")
     return 0
 

@@ -58,11 +58,17 @@ class EnvSpec:
 
 
 class Timestep(NamedTuple):
+    """What an env answers to reset() and step(). After an episode end the env has already
+    reset: obs/state/avail_actions are the next episode's first ones (`first`), while
+    reward/terminated/truncated/won describe the step that ended the old one."""
+
     obs: Any  # [agent, obs_dim] float32, what each agent sees before acting
     state: Any  # [state_dim] float32, global state for mixers and centralised critics
     avail_actions: Any  # [agent, mask_width] bool
     reward: Any  # [agent] float32, reward of the step that led here
-    done: Any  # bool, the step that led here ended an episode (obs are then the reset obs)
+    first: Any  # bool, obs are the first of an episode (a reset, or an auto-reset after an end)
+    terminated: Any  # bool, the step that led here ended the episode for real (SMAX: a side wiped out)
+    truncated: Any  # bool, the step that led here ended it by a time limit (never with terminated)
     won: Any  # bool, that episode was won (SMAX); False elsewhere
 
 
@@ -77,7 +83,7 @@ class JaxEnv:
         self.spec = spec
         self.kind = kind  # "smax" or "mpe"
 
-    def _timestep(self, obs: dict, env_state, reward, done, won) -> Timestep:
+    def _timestep(self, obs: dict, env_state, reward, first, terminated, truncated, won) -> Timestep:
         agents = self.spec.agents
         obs_arr = jnp.stack([_pad(obs[a], self.spec.obs_dim) for a in agents])
         if self.kind == "smax":
@@ -90,7 +96,7 @@ class JaxEnv:
             state = obs_arr.reshape(-1)
             avail = jnp.asarray(self._mpe_mask)
         return Timestep(obs_arr.astype(jnp.float32), state.astype(jnp.float32), avail,
-                        reward, done, won)
+                        reward, first, terminated, truncated, won)
 
     def reset(self, key) -> tuple[Timestep, Any]:
         obs, env_state = self.env.reset(key)
@@ -98,8 +104,8 @@ class JaxEnv:
         # fix the types here so a jitted rollout compiles once, not again on its 2nd call
         env_state = jax.tree.map(lambda x: jnp.asarray(x, dtype=jnp.asarray(x).dtype), env_state)
         n = self.spec.n_agents
-        ts = self._timestep(obs, env_state, jnp.zeros((n,), jnp.float32),
-                            jnp.array(False), jnp.array(False))
+        no = jnp.array(False)
+        ts = self._timestep(obs, env_state, jnp.zeros((n,), jnp.float32), jnp.array(True), no, no, no)
         return ts, env_state
 
     def step(self, key, env_state, actions) -> tuple[Timestep, Any]:
@@ -108,19 +114,37 @@ class JaxEnv:
         act = {a: actions[i] for i, a in enumerate(self.spec.agents)}
         obs, next_state, reward, dones, _ = self.env.step_env(key_step, env_state, act)
         done = dones["__all__"]
+        terminated = done & self._eliminated(next_state)
         won = self._won(next_state) & done
         obs_re, state_re = self.env.reset(key_reset)
         next_state = jax.tree.map(lambda r, s: jnp.where(done, r, s), state_re, next_state)
         obs = jax.tree.map(lambda r, s: jnp.where(done, r, s), obs_re, obs)
         reward = jnp.stack([reward[a] for a in self.spec.agents]).astype(jnp.float32)
-        return self._timestep(obs, next_state, reward, done, won), next_state
+        return self._timestep(obs, next_state, reward, done, terminated, done & ~terminated,
+                              won), next_state
+
+    def _alive(self, env_state):
+        """SMAX: (any ally alive, any enemy alive) in the env's own state."""
+        alive = env_state.state.unit_alive
+        n = self.env.num_allies
+        return jnp.any(alive[:n]), jnp.any(alive[n:])
+
+    def _eliminated(self, env_state):
+        """Whether an episode that ended here ended for real. SMAX ends an episode when a side
+        is wiped out or at its step limit (jaxmarl's is_terminal: all allies dead | all
+        enemies dead | step >= max_steps): it is terminated where a side is gone (even on
+        the limit's step) and truncated by the limit with both sides alive. MPE episodes
+        end only at max_steps: always truncated."""
+        if self.kind != "smax":
+            return jnp.array(False)
+        allies, enemies = self._alive(env_state)
+        return ~allies | ~enemies
 
     def _won(self, env_state):
         if self.kind != "smax":
             return jnp.array(False)
-        alive = env_state.state.unit_alive
-        n = self.env.num_allies
-        return jnp.any(alive[:n]) & ~jnp.any(alive[n:])
+        allies, enemies = self._alive(env_state)
+        return allies & ~enemies
 
 
 def _pad(x, size):
@@ -220,7 +244,7 @@ class PettingZooEnv:
         self.spec = spec
         self._episode_steps = 0
 
-    def _timestep(self, obs, reward, done) -> Timestep:
+    def _timestep(self, obs, reward, first, terminated, truncated) -> Timestep:
         agents, s = self.spec.agents, self.spec
         obs_arr = np.zeros((s.n_agents, s.obs_dim), np.float32)
         for i, a in enumerate(agents):
@@ -235,26 +259,31 @@ class PettingZooEnv:
         else:
             state = obs_arr.reshape(-1)
         avail = np.ones((s.n_agents, s.mask_width), bool)
-        return Timestep(obs_arr, state, avail, reward, np.bool_(done), np.bool_(False))
+        return Timestep(obs_arr, state, avail, reward, np.bool_(first), np.bool_(terminated),
+                        np.bool_(truncated), np.bool_(False))
 
     def reset(self, seed: int | None = None) -> Timestep:
         obs, _ = self.env.reset(seed=seed)
         self._episode_steps = 0
-        return self._timestep(obs, np.zeros(self.spec.n_agents, np.float32), False)
+        return self._timestep(obs, np.zeros(self.spec.n_agents, np.float32), True, False, False)
 
     def step(self, actions: np.ndarray) -> Timestep:
         agents = self.spec.agents
         live = self.env.agents
         act = {a: (int(actions[i]) if self.spec.discrete else np.asarray(actions[i], np.float32))
                for i, a in enumerate(agents) if a in live}
+        acting = list(live)  # PettingZoo envs may empty env.agents in place when it ends
         obs, rew, term, trunc, _ = self.env.step(act)
         self._episode_steps += 1
         reward = np.array([float(rew.get(a, 0.0)) for a in agents], np.float32)
         done = (not self.env.agents) or all(term.get(a, True) or trunc.get(a, True) for a in live)
+        # a time-limit end if the limit cut off an agent that was still going; otherwise the
+        # agents' terminations ended it (an agent both terminated and truncated is terminated)
+        truncated = bool(done) and any(trunc.get(a, False) and not term.get(a, False) for a in acting)
         if done:
             obs, _ = self.env.reset()
             self._episode_steps = 0
-        return self._timestep(obs, reward, done)
+        return self._timestep(obs, reward, done, done and not truncated, truncated)
 
 
 def _make_pettingzoo(env_id: str, target: str, kwargs: dict) -> PettingZooEnv:

@@ -18,11 +18,12 @@ critics that follow the online ones by Polyak averaging (tau). With `twin_critic
 agent has two critics and bootstraps on the smaller target value, TD3's fix for
 overestimated Q values (as MATD3).
 
-Training data are (s, a, r, done, s') transitions: windows of two steps sampled from the
+Training data are (s, a, r, end, s') transitions: windows of two steps sampled from the
 replay ring (n + 1 steps for `n_step` returns). The store records obs and actions at step t
-and the reward/done of the step t led to; after a done the next obs are the reset obs, so
-the bootstrap is masked by done (or, with `time_limit_bootstrap`, where a done is only a
-time limit, that transition is left out and the critic bootstraps through the limit).
+and the reward and end (`terminated` or `truncated`) of the step t led to; after an end the
+next obs are the reset obs, so the bootstrap is masked by every end (or, with
+`time_limit_bootstrap`, only by `terminated`: where the stored `truncated` says the end is
+a time limit, that transition is left out and the critic bootstraps through the limit).
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from marl import buffer
+from marl import buffer, transition
 from marl.envs import EnvSpec
 from marl.learner import Learner
 
@@ -74,11 +75,12 @@ class Config:
     # one actor and one critic for all agents, told apart by a one-hot agent id (each
     # network then learns from every agent's transitions); False: one per agent (original)
     share_params: bool = False
-    # True where episodes end only at a time limit (MPE): dones are truncations, so the
-    # critic bootstraps through every other step (observations carry no clock, so value
-    # targets that drop to zero at step 25 cannot be fitted) and the transitions that end
-    # an episode, whose next obs are already the reset obs, are left out of the loss.
-    # False: a done is a terminal state and zeroes the bootstrap (SMAX)
+    # True: an end the store marks `truncated` (a time limit: MPE's every end) is not a
+    # terminal state, so the critic bootstraps through it (observations carry no clock, so
+    # value targets that drop to zero at step 25 cannot be fitted) and the transitions that
+    # end an episode by truncation, whose next obs are already the reset obs, are left out
+    # of the loss; a `terminated` end (SMAX: a side wiped out) still zeroes the bootstrap.
+    # False: every end (terminated | truncated) zeroes the bootstrap
     time_limit_bootstrap: bool = False
 
 
@@ -121,26 +123,35 @@ def transitions(windows, gamma: float, time_limit_bootstrap: bool, n_step: int =
     to [B(L-n)]: (s, a) of the start, the discounted sum of the rewards up to the bootstrap
     step, its obs s' and the discount on Q(s'), and the transition's weight in the loss.
 
-    A done inside the n steps ends the sum. Terminal (not time_limit_bootstrap): the rewards
-    up to and including the done step count and the bootstrap is zeroed. Time limit: the
-    sum stops before the done step and bootstraps on that step's obs, a real state of the
-    same episode (the obs after a done are the next episode's); a transition that starts at
-    a done is left out (weight 0)."""
-    length = windows["done"].shape[1]
+    An end (terminated or truncated) inside the n steps ends the sum. A terminal end (every
+    end without time_limit_bootstrap; with it, a `terminated` one): the rewards up to and
+    including the end step count and the bootstrap is zeroed. A time limit (`truncated`,
+    with time_limit_bootstrap): the sum stops before the end step and bootstraps on that
+    step's obs, a real state of the same episode (the obs after an end are the next
+    episode's); a transition that starts at a truncation is left out (weight 0)."""
+    length = windows["terminated"].shape[1]
     steps = jnp.arange(n_step)
 
     def from_start(t):
         window = lambda x, size: jax.lax.dynamic_slice_in_dim(x, t, size, axis=1)
-        done = window(windows["done"], n_step).astype(jnp.float32)  # [B, n]
-        if time_limit_bootstrap:  # bootstrap step m: the first done after the start, or n
+        done = window(transition.done(windows), n_step).astype(jnp.float32)  # [B, n]
+        # terminal: a reward counts up to and including the first end
+        upto_end = jnp.concatenate([jnp.ones_like(done[:, :1]), jnp.cumprod(1.0 - done, axis=1)[:, :-1]],
+                                   axis=1)
+        if time_limit_bootstrap:  # bootstrap step m: the first end after the start, or n
+            terminated = window(windows["terminated"], n_step)
+            truncated = window(windows["truncated"], n_step)
             m = 1 + jnp.sum(jnp.cumprod(1.0 - done[:, 1:], axis=1), axis=1).astype(jnp.int32)
-            counted = (steps[None] < m[:, None]).astype(jnp.float32)
-            discount, weight = gamma ** m, 1.0 - done[:, 0]
+            # the first end at or after the start is a real one: no bootstrap, as terminal
+            first_end = jnp.where(done[:, 0] > 0, 0, m)
+            real = jnp.take_along_axis(jnp.concatenate([terminated, jnp.zeros_like(terminated[:, :1])], axis=1),
+                                       first_end[:, None], axis=1)[:, 0]
+            counted = jnp.where(real[:, None], upto_end, (steps[None] < m[:, None]).astype(jnp.float32))
+            discount = jnp.where(real, 0.0, gamma ** m)
+            weight = 1.0 - truncated[:, 0].astype(jnp.float32)
         else:
             m = jnp.full(done.shape[:1], n_step)
-            # terminal: a reward counts up to and including the first done
-            counted = jnp.concatenate([jnp.ones_like(done[:, :1]), jnp.cumprod(1.0 - done, axis=1)[:, :-1]],
-                                      axis=1)
+            counted = upto_end
             discount, weight = gamma**n_step * jnp.prod(1.0 - done, axis=1), jnp.ones_like(done[:, 0])
 
         def at(x, i):  # x at step i (per window) of this start's n + 1 steps
@@ -366,7 +377,7 @@ def make_learner(spec: EnvSpec, config: Config):
 
     @jax.jit
     def score_arrays(train_state, windows):
-        batch_size, length = windows["done"].shape
+        batch_size, length = windows["terminated"].shape
         q, target, weight = td_terms(train_state["params"], train_state["target_params"],
                                      transitions(windows, config.gamma, config.time_limit_bootstrap),
                                      jax.random.PRNGKey(0))
@@ -380,7 +391,7 @@ def make_learner(spec: EnvSpec, config: Config):
 
     def score(train_state, windows):
         """Per-agent Q_i of the stored actions and one-step TD errors of stored windows [B, L]
-        (NaN where there is no target: the last step, and episode ends under
+        (NaN where there is no target: the last step, and truncated episode ends under
         time_limit_bootstrap), each with its dims after (step, env)."""
         return {k: (v, ("agent",)) for k, v in score_arrays(train_state, windows).items()}
 

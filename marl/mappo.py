@@ -35,6 +35,7 @@ import numpy as np
 import optax
 from flax.linen.initializers import constant, orthogonal
 
+from marl import transition
 from marl.envs import EnvSpec
 from marl.learner import Learner
 
@@ -271,7 +272,7 @@ def make_learner(spec: EnvSpec, config: Config):
         if not config.recurrent:
             _, out, log_std = actor.apply(actor_params, jnp.zeros(()), x)
             return out, log_std
-        done = batch["done"]
+        done = transition.done(batch)
         reset = jnp.concatenate([jnp.zeros_like(done[:, :1]), done[:, :-1]], axis=1)
 
         def step(carry, inputs):
@@ -305,7 +306,7 @@ def make_learner(spec: EnvSpec, config: Config):
         step of the next region), so its transition is dropped from the loss and its
         value only bootstraps step T-2: targets cover steps 0..T-2."""
         value = jax.lax.stop_gradient(values(old_params["critic"], batch))  # [B, T, agent]
-        adv, targets = gae(batch["reward"][:, :-1], batch["done"][:, :-1], value,
+        adv, targets = gae(batch["reward"][:, :-1], transition.done(batch)[:, :-1], value,
                            config.gamma, config.gae_lambda)
         return {**batch, "advantage": adv, "target": targets, "value_old": value[:, :-1]}
 

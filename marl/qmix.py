@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from marl import buffer
+from marl import buffer, transition
 from marl.envs import EnvSpec
 from marl.learner import Learner
 
@@ -189,7 +189,7 @@ def make_learner(spec: EnvSpec, config: Config):
 
     def td_terms(params, target_params, batch):
         """Q-values and TD targets along windows [B, L]: the loss and reanalysis share it."""
-        done = batch["done"].astype(jnp.float32)
+        done = transition.done(batch).astype(jnp.float32)  # any end, a time limit too: no bootstrap
         # memory restarts after each episode end inside the window (and at its start)
         reset = jnp.concatenate([jnp.ones_like(done[:, :1]), done[:, :-1]], axis=1)
         q = unroll(params["agent"], batch["obs"], reset)

@@ -3,10 +3,15 @@ the same contract for N numpy (PettingZoo) envs stepped on a CPU, outside `jit`.
 
 A policy is a function
     act(params, carry, obs, avail, reset, key, explore) -> (actions, carry, extras)
-over a batch of envs: obs [N, agent, obs_dim], avail [N, agent, mask], reset [N] (True where
-obs start a new episode, so recurrent policies zero their memory). `explore` holds
+over a batch of envs: obs [N, agent, obs_dim], avail [N, agent, mask], reset [N] (the
+Timestep's `first`: True where obs start a new episode, so recurrent policies zero their
+memory). `explore` holds
 exploration settings such as epsilon; evaluation passes the greedy setting. `extras` is a
 dict of [N, ...] arrays stored beside each transition (e.g. a behaviour log-probability).
+
+Collectors emit one `marl.transition.Transition` per step and return the [T, N, ...]
+Transitions flattened by `transition.to_record`: the dict the replay store writes and the
+learners read.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from marl.envs import JaxEnv, PettingZooEnv, Timestep
+from marl.transition import Transition, done, to_record
 
 
 class RolloutState(NamedTuple):
@@ -39,8 +45,9 @@ def episode_reward(reward):
 def make_collector(env: JaxEnv, act: Callable, init_carry: Callable, n_envs: int, n_steps: int):
     """Returns jitted (init(key) -> RolloutState, collect(params, rstate, explore) -> (rstate, data, stats)).
 
-    data holds [T, N, ...] arrays in the replay schema: obs, state, avail_actions, action
-    (what was seen and done at step t) and reward, done (what step t led to).
+    data is the [T, N, ...] Transitions of the T steps as a flat dict (`to_record`): obs,
+    state, avail_actions, action and first (what was seen and done at step t), reward,
+    terminated, truncated and won (what step t led to), and the policy's extras.
     """
 
     def init(key) -> RolloutState:
@@ -54,38 +61,41 @@ def make_collector(env: JaxEnv, act: Callable, init_carry: Callable, n_envs: int
         key, act_key, step_key = jax.random.split(rs.key, 3)
         ts = rs.timestep
         actions, policy_carry, extras = act(params, rs.policy_carry, ts.obs, ts.avail_actions,
-                                            ts.done, act_key, explore)
+                                            ts.first, act_key, explore)
         next_ts, env_state = jax.vmap(env.step)(jax.random.split(step_key, n_envs),
                                                 rs.env_state, actions)
+        transition = make_transition(ts, actions, next_ts, extras)
         ep_return = rs.episode_return + episode_reward(next_ts.reward)
         ep_length = rs.episode_length + 1
-        record = {
-            "obs": ts.obs, "state": ts.state, "avail_actions": ts.avail_actions,
-            "action": actions, "reward": next_ts.reward, "done": next_ts.done, "won": next_ts.won,
-            **extras,
-            # episode bookkeeping, summarised below and not stored
-            "_return": ep_return, "_length": ep_length,
-        }
-        done = next_ts.done
+        ended = done(next_ts)
         rs = RolloutState(env_state, next_ts, policy_carry,
-                          jnp.where(done, 0.0, ep_return), jnp.where(done, 0, ep_length), key)
-        return (params, explore, rs), record
+                          jnp.where(ended, 0.0, ep_return), jnp.where(ended, 0, ep_length), key)
+        # episode bookkeeping, summarised below and not stored
+        return (params, explore, rs), (transition, ep_return, ep_length)
 
     def collect(params, rstate: RolloutState, explore):
-        (_, _, rstate), record = jax.lax.scan(step, (params, explore, rstate), None, n_steps)
-        return rstate, *split_record(record, jnp)
+        (_, _, rstate), (transition, ep_return, ep_length) = jax.lax.scan(
+            step, (params, explore, rstate), None, n_steps)
+        return rstate, to_record(transition), episode_stats(transition, ep_return, ep_length, jnp)
 
     return jax.jit(init), jax.jit(collect)
 
 
-def split_record(record: dict, xp=jnp):
-    """[T, N] records -> (stored data, stats of the episodes that ended in them)."""
-    done = record["done"]
-    n_done = done.sum()
-    per = lambda x: xp.where(n_done > 0, xp.sum(xp.where(done, x, 0)) / xp.maximum(n_done, 1), xp.nan)
-    stats = {"episodes": n_done, "return_mean": per(record["_return"]),
-             "length_mean": per(record["_length"]), "win_rate": per(record["won"])}
-    return {k: v for k, v in record.items() if not k.startswith("_")}, stats
+def make_transition(ts: Timestep, actions, next_ts: Timestep, extras: dict) -> Transition:
+    """The transition of step t: what was seen (`ts`) and done there, and what it led to."""
+    return Transition(obs=ts.obs, state=ts.state, avail_actions=ts.avail_actions, action=actions,
+                      reward=next_ts.reward, first=ts.first, terminated=next_ts.terminated,
+                      truncated=next_ts.truncated, won=next_ts.won, extras=extras)
+
+
+def episode_stats(transition: Transition, ep_return, ep_length, xp=jnp) -> dict:
+    """Stats of the episodes that ended in [T, N] transitions, from the running return and
+    length after each step."""
+    ended = done(transition)
+    n_done = ended.sum()
+    per = lambda x: xp.where(n_done > 0, xp.sum(xp.where(ended, x, 0)) / xp.maximum(n_done, 1), xp.nan)
+    return {"episodes": n_done, "return_mean": per(ep_return), "length_mean": per(ep_length),
+            "win_rate": per(transition.won)}
 
 
 def fresh_numpy_envs(env: PettingZooEnv, n_envs: int, key):
@@ -104,41 +114,47 @@ class NumpyRolloutState(NamedTuple):
     key: jax.Array
 
 
+def _stack(items: list):
+    """[N] numpy Timesteps (or [T] Transitions) -> one whose leaves are stacked."""
+    return jax.tree.map(lambda *xs: np.stack(xs), *items)
+
+
 def make_numpy_collector(env: PettingZooEnv, act: Callable, init_carry: Callable, n_envs: int,
                          n_steps: int, seed: int = 0):
     """The collector contract for numpy envs: N PettingZoo instances stepped in a Python
     loop on a CPU, the policy jitted once per step over all N. Same data and stats as
     `make_collector`, as numpy arrays."""
     act = jax.jit(act)
-    stack = lambda steps: Timestep(*(np.stack(x) for x in zip(*steps)))
 
     def init(key) -> NumpyRolloutState:
         instances, steps = fresh_numpy_envs(env, n_envs, key)
-        timestep = stack(steps)
-        return NumpyRolloutState(instances, timestep, init_carry(n_envs), np.zeros(n_envs),
+        return NumpyRolloutState(instances, _stack(steps), init_carry(n_envs), np.zeros(n_envs),
                                  np.zeros(n_envs, np.int32), key)
 
     def collect(params, rs: NumpyRolloutState, explore):
-        records, carry, key, ts = [], rs.policy_carry, rs.key, rs.timestep
+        transitions, returns, lengths = [], [], []
+        carry, key, ts = rs.policy_carry, rs.key, rs.timestep
         ep_return, ep_length = rs.episode_return.copy(), rs.episode_length.copy()
         for _ in range(n_steps):
             key, act_key = jax.random.split(key)
-            actions, carry, extras = act(params, carry, ts.obs, ts.avail_actions, ts.done,
+            actions, carry, extras = act(params, carry, ts.obs, ts.avail_actions, ts.first,
                                          act_key, explore)
             actions = np.asarray(actions)
-            next_ts = stack([e.step(a) for e, a in zip(rs.envs, actions)])
+            next_ts = _stack([e.step(a) for e, a in zip(rs.envs, actions)])
+            transitions.append(make_transition(ts, actions, next_ts,
+                                               {k: np.asarray(v) for k, v in extras.items()}))
             ep_return = ep_return + episode_reward(next_ts.reward)
             ep_length = ep_length + 1
-            records.append({"obs": ts.obs, "state": ts.state, "avail_actions": ts.avail_actions,
-                            "action": actions, "reward": next_ts.reward, "done": next_ts.done,
-                            "won": next_ts.won, **{k: np.asarray(v) for k, v in extras.items()},
-                            "_return": ep_return, "_length": ep_length})
-            ep_return = np.where(next_ts.done, 0.0, ep_return)
-            ep_length = np.where(next_ts.done, 0, ep_length)
+            returns.append(ep_return)
+            lengths.append(ep_length)
+            ended = done(next_ts)
+            ep_return = np.where(ended, 0.0, ep_return)
+            ep_length = np.where(ended, 0, ep_length)
             ts = next_ts
-        record = {k: np.stack([r[k] for r in records]) for k in records[0]}
+        transition = _stack(transitions)
         rs = NumpyRolloutState(rs.envs, ts, carry, ep_return, ep_length, key)
-        return rs, *split_record(record, np)
+        return rs, to_record(transition), episode_stats(transition, np.stack(returns),
+                                                        np.stack(lengths), np)
 
     return init, collect
 
@@ -155,13 +171,13 @@ def make_evaluator(env: JaxEnv, act: Callable, init_carry: Callable, n_envs: int
             env_state, ts, policy_carry, finished, ret, length, won, key = carry
             key, act_key, step_key = jax.random.split(key, 3)
             actions, policy_carry, _ = act(params, policy_carry, ts.obs, ts.avail_actions,
-                                           ts.done, act_key, explore)
+                                           ts.first, act_key, explore)
             ts, env_state = jax.vmap(env.step)(jax.random.split(step_key, n_envs), env_state, actions)
             live = ~finished
             ret = ret + jnp.where(live, episode_reward(ts.reward), 0.0)
             length = length + live
             won = won | (live & ts.won)
-            finished = finished | ts.done
+            finished = finished | done(ts)
             return (env_state, ts, policy_carry, finished, ret, length, won, key), None
 
         zeros = jnp.zeros(n_envs)
@@ -184,20 +200,19 @@ def make_numpy_evaluator(env: PettingZooEnv, act: Callable, init_carry: Callable
         carry = init_carry(n_envs)
         finished = np.zeros(n_envs, bool)
         ret, length, won = np.zeros(n_envs), np.zeros(n_envs, np.int32), np.zeros(n_envs, bool)
+        ts = _stack(steps)
         while not finished.all():
-            ts = Timestep(*(np.stack(x) for x in zip(*steps)))
             key, act_key = jax.random.split(key)
-            actions, carry, _ = act(params, carry, ts.obs, ts.avail_actions, ts.done, act_key, explore)
+            actions, carry, _ = act(params, carry, ts.obs, ts.avail_actions, ts.first, act_key, explore)
             actions = np.asarray(actions)
             # finished envs idle on their own auto-reset episode, which is not counted
             steps = [e.step(a) for e, a in zip(instances, actions)]
+            ts = _stack(steps)
             live = ~finished
-            reward = np.stack([s.reward for s in steps]).mean(axis=-1)
-            done = np.array([s.done for s in steps])
-            ret += np.where(live, reward, 0.0)
+            ret += np.where(live, ts.reward.mean(axis=-1), 0.0)
             length += live
-            won |= live & np.array([s.won for s in steps])
-            finished |= done
+            won |= live & ts.won
+            finished |= done(ts)
         return {"episodes": finished.sum(), "return_mean": ret.mean(),
                 "length_mean": length.mean(), "win_rate": won.mean()}
 

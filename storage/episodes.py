@@ -4,20 +4,23 @@ Each collector steps its own N envs, and an env's episodes run on across that co
 regions (iteration i, then i + 1). So one episode lives on a chain (collector, env) and may
 span regions. The computation has two parts:
 
-1. per region, in parallel (dask tasks over groups of regions, reading only reward, done
-   and won): every episode end in it, with the return and length of the segment since the
-   previous end (or the region start), and the open tail after the region's last end;
-2. a small sequential stitch over the regions in region order, per collector: the first
-   segment of a region joins the tail carried from the same collector's previous
-   iteration. Where that region is missing (the ring overwrote it, or it was never
-   committed), the episode's start is unknown and the episode is marked partial; at
-   iteration 0 the envs were just reset, so a chain starts complete there.
+1. per region, in parallel (dask tasks over groups of regions, reading only reward,
+   terminated, truncated, first and won): every episode end (terminated | truncated) in
+   it, with the return and length of the segment since the episode's start (a step marked
+   `first`, or the step after the previous end) or the region start, and the open tail
+   after the region's last start;
+2. a small sequential stitch over the regions in region order, per collector: a region's
+   segment that has no start in it joins the tail carried from the same collector's
+   previous iteration. Where that region is missing (the ring overwrote it, or it was
+   never committed), the episode's start is unknown and the episode is marked partial.
+
+A collector that restarts (a resumed run, a retried task on a fresh worker) resets its envs
+without an end, and the store marks that step `first`: the unfinished episode before it is
+dropped (it has no end) and a new one starts there. Data without a `first` field (hand-made
+stores) start episodes only after ends, and at iteration 0, where the envs were just reset.
 
 Return = the agents' mean reward summed over the episode's steps, as the collector's
 episode stats count it; `won` is the store's per-step flag at the step that ended it.
-Limitation: a collector that restarts (a resumed run, a retried task on a fresh worker)
-resets its envs without a `done` in the store, so its episode at that boundary is joined
-to the previous one; the store keeps no marker for that.
 """
 
 from __future__ import annotations
@@ -26,30 +29,31 @@ import dask
 import dask.array as da
 import numpy as np
 
-from .replay import ENV_DIM, STEP_DIM, StoreError
+from .replay import ENV_DIM, STEP_DIM, StoreError, episode_starts
 
 COLUMNS = ("collector", "env", "region", "iteration", "param_version", "end_t", "return",
            "length", "won", "complete")
 
 
-def _block_episodes(step_reward: np.ndarray, done: np.ndarray, won: np.ndarray) -> dict:
-    """Episode ends inside one region: step_reward/done/won are [T, N]."""
-    T, N = done.shape
+def _block_episodes(step_reward: np.ndarray, end: np.ndarray, first: np.ndarray | None,
+                    won: np.ndarray) -> dict:
+    """Episode ends inside one region: step_reward/end/first/won are [T, N] (first may be
+    None: no starts marked)."""
+    T, N = end.shape
     # c[t, e] = reward summed over the region's steps before t
     c = np.concatenate([np.zeros((1, N)), np.cumsum(step_reward, axis=0)])
-    env, t = np.nonzero(done.T)  # sorted by env, then step
-    head = np.ones(len(env), bool)  # the first end of each env continues the carried tail
-    head[1:] = env[1:] != env[:-1]
-    begin = np.zeros(len(env), np.int64)  # where each segment began in the region
-    begin[1:] = np.where(head[1:], 0, t[:-1] + 1)
-    last_end = np.full(N, -1)
-    last_end[env] = t  # t is increasing within each env, so the last write is the last end
-    tail_begin = last_end + 1
+    starts = episode_starts(first, end)  # [T + 1, N], -1: began before the region
+    env, t = np.nonzero(end.T)  # sorted by env, then step
+    start = starts[t, env]
+    head = start < 0  # began before the region: continues the carried tail
+    begin = np.maximum(start, 0)  # where each segment began in the region
+    tail_start = starts[T]
+    tail_begin = np.maximum(tail_start, 0)
     return {
         "env": env, "end_t": t, "head": head,
         "return": c[t + 1, env] - c[begin, env], "length": t + 1 - begin, "won": won[t, env],
         "tail_return": c[T, np.arange(N)] - c[tail_begin, np.arange(N)],
-        "tail_length": T - tail_begin, "has_end": last_end >= 0,
+        "tail_length": T - tail_begin, "has_start": tail_start >= 0,
     }
 
 
@@ -78,10 +82,11 @@ def _per_step(ds, name: str, reduce_mean: bool):
     return var.data if isinstance(var.data, da.Array) else da.from_array(var.values)
 
 
-def _group_episodes(step_reward, done, won, T: int) -> list[dict]:
+def _group_episodes(step_reward, end, first, won, T: int) -> list[dict]:
     """_block_episodes of each of the regions in a group of consecutive ones."""
-    return [_block_episodes(step_reward[i:i + T], done[i:i + T], won[i:i + T])
-            for i in range(0, len(done), T)]
+    return [_block_episodes(step_reward[i:i + T], end[i:i + T],
+                            None if first is None else first[i:i + T], won[i:i + T])
+            for i in range(0, len(end), T)]
 
 
 def episodes(ds):
@@ -91,13 +96,14 @@ def episodes(ds):
     param_version, end_t (step of the end within its region: these coordinates are those
     of the step that ended the episode), return, length, won and complete (False: the
     episode's start is not in the data, so its return and length are partial).
-    Reads only reward, done and won, a group of regions per dask task.
+    Reads only reward, terminated, truncated, first and won, a group of regions per dask task.
     """
     import pandas as pd
 
-    for name in ("reward", "done"):
+    for name in ("reward", "terminated", "truncated"):
         if name not in ds.data_vars:
-            raise StoreError(f"dataset has no {name!r} variable; episodes need reward and done")
+            raise StoreError(f"dataset has no {name!r} variable; episodes need reward, "
+                             f"terminated and truncated")
     T, n_blocks, coords = _blocks(ds)
     if n_blocks == 0:
         return pd.DataFrame({c: [] for c in COLUMNS})
@@ -107,12 +113,15 @@ def episodes(ds):
     group = T * max(1, min(64, 2**20 // (T * N)))
     chunks = {0: group, 1: -1}
     reward = _per_step(ds, "reward", True).rechunk(chunks)
-    done = _per_step(ds, "done", False).rechunk(chunks)
-    # stores from before the `won` field: no wins known
+    end = (_per_step(ds, "terminated", False) | _per_step(ds, "truncated", False)).rechunk(chunks)
+    # data without a `won` field: no wins known
     won = (_per_step(ds, "won", False).rechunk(chunks) if "won" in ds.data_vars
-           else da.zeros(done.shape, bool, chunks=done.chunks))
-    tasks = [dask.delayed(_group_episodes)(r, d, w, T) for r, d, w in
-             zip(reward.to_delayed().ravel(), done.to_delayed().ravel(), won.to_delayed().ravel())]
+           else da.zeros(end.shape, bool, chunks=end.chunks))
+    has_first = "first" in ds.data_vars
+    first = (_per_step(ds, "first", False).rechunk(chunks).to_delayed().ravel() if has_first
+             else [None] * len(end.to_delayed().ravel()))
+    tasks = [dask.delayed(_group_episodes)(r, e, f, w, T) for r, e, f, w in
+             zip(reward.to_delayed().ravel(), end.to_delayed().ravel(), first, won.to_delayed().ravel())]
     blocks = [b for per_group in dask.compute(*tasks) for b in per_group]
 
     rows = {c: [] for c in COLUMNS}
@@ -126,7 +135,8 @@ def episodes(ds):
             _, c_return, c_length, c_known = prev
         else:  # no predecessor in the data: known start only where the envs were reset
             c_return, c_length = np.zeros(N), np.zeros(N, np.int64)
-            c_known = np.full(N, iteration == 0)
+            # (stores with `first` mark that reset; for those without, iteration 0 is one)
+            c_known = np.full(N, iteration == 0 and not has_first)
         env, head = b["env"], b["head"]
         rows["collector"].append(np.full(len(env), collector))
         rows["env"].append(env)
@@ -137,12 +147,12 @@ def episodes(ds):
         rows["length"].append(b["length"] + np.where(head, c_length[env], 0))
         rows["won"].append(b["won"])
         rows["complete"].append(np.where(head, c_known[env], True))
-        has_end = b["has_end"]
+        has_start = b["has_start"]
         carry[collector] = (
             iteration,
-            np.where(has_end, b["tail_return"], c_return + b["tail_return"]),
-            np.where(has_end, b["tail_length"], c_length + b["tail_length"]),
-            np.where(has_end, True, c_known),
+            np.where(has_start, b["tail_return"], c_return + b["tail_return"]),
+            np.where(has_start, b["tail_length"], c_length + b["tail_length"]),
+            np.where(has_start, True, c_known),
         )
     table = pd.DataFrame({c: np.concatenate(v) for c, v in rows.items()})
     return table.astype({"collector": "int64", "env": "int64", "region": "int64",
@@ -182,7 +192,8 @@ def iter_episodes(ds, fields: tuple[str, ...], table=None):
     ends: dict[int, list] = {}  # region -> the rows of episodes ending there, by env then step
     for row in table.sort_values(["env", "end_t"]).to_dict("records"):
         ends.setdefault(int(row["region"]), []).append(row)
-    read = tuple(dict.fromkeys((*fields, "done")))
+    flags = ("terminated", "truncated", "first") if "first" in ds.data_vars else ("terminated", "truncated")
+    read = tuple(dict.fromkeys((*fields, *flags)))
     open_parts: dict[tuple[int, int], list] = {}  # (collector, env) -> [(block, t0, t1)]
     last_iteration: dict[int, int] = {}
     for k in np.argsort(coords["region"], kind="stable"):
@@ -193,16 +204,17 @@ def iter_episodes(ds, fields: tuple[str, ...], table=None):
         last_iteration[collector] = iteration
         steps = {STEP_DIM: slice(k * T, (k + 1) * T)}
         block = {f: np.asarray(ds[f].isel(steps).values) for f in read}
-        begin: dict[int, int] = {}  # env -> where its current segment began in this block
+        starts = episode_starts(block.get("first"), block["terminated"] | block["truncated"])
         for row in ends.get(int(coords["region"][k]), []):
-            env, end = int(row["env"]), int(row["end_t"]) + 1
-            parts = open_parts.pop((collector, env), []) + [(block, begin.get(env, 0), end)]
-            begin[env] = end
+            env, t = int(row["env"]), int(row["end_t"])
+            earlier = open_parts.pop((collector, env), [])
+            start = int(starts[t, env])
+            parts = [(block, start, t + 1)] if start >= 0 else earlier + [(block, 0, t + 1)]
             if row["complete"]:
                 yield row, {f: np.concatenate([b[f][t0:t1, env] for b, t0, t1 in parts]) for f in fields}
-        done = block["done"]
-        for env in range(done.shape[1]):
-            ended = np.flatnonzero(done[:, env])
-            t0 = int(ended[-1]) + 1 if len(ended) else 0
+        for env in range(starts.shape[1]):
+            t0 = int(starts[T, env])
+            if t0 >= 0:  # the tail starts in this block (or is empty: T)
+                open_parts.pop((collector, env), None)
             if t0 < T:
-                open_parts.setdefault((collector, env), []).append((block, t0, T))
+                open_parts.setdefault((collector, env), []).append((block, max(t0, 0), T))

@@ -4,9 +4,10 @@ Minari datasets are single-agent and gymnasium-style, so the agents are flattene
 the joint observation (Box of n_agents*obs_dim) and the joint action (MultiDiscrete of
 n_actions per agent, or Box of n_agents*action_dim), with the team reward (the agents'
 mean, as the collectors' episode stats count it). One Minari episode per complete stored
-episode (see storage.episodes); partial ones are left out. The store keeps no terminal
-observation (the envs auto-reset), so each episode's final observation repeats its last
-one. infos hold the global state and the joint action mask per step.
+episode (see storage.episodes); partial ones are left out. An episode's last step is a
+Minari termination or truncation as the store's `terminated` / `truncated` say. The store
+keeps no terminal observation (the envs auto-reset), so each episode's final observation
+repeats its last one. infos hold the global state and the joint action mask per step.
 
 Needs the optional extra: pip install "marl-dataflow[minari]".
 """
@@ -63,13 +64,12 @@ def _episode_buffer(data: dict, spec: dict):
     obs = data["obs"].reshape(length, -1).astype(np.float32)
     action = data["action"].reshape(length, -1)
     action = action.astype(np.int64) if spec["discrete"] else action.astype(np.float32)
-    truncated = length >= int(spec.get("episode_limit") or np.iinfo(np.int64).max)
     last = lambda x: np.concatenate([x, x[-1:]])  # the terminal obs is not stored
     return EpisodeBuffer(
         observations=last(obs), actions=action,
         rewards=data["reward"].astype(np.float64).mean(axis=-1),
-        terminations=np.eye(1, length, length - 1, dtype=bool)[0] & (not truncated),
-        truncations=np.eye(1, length, length - 1, dtype=bool)[0] & truncated,
+        terminations=np.asarray(data["terminated"], bool),
+        truncations=np.asarray(data["truncated"], bool),
         infos={"state": last(data["state"].astype(np.float32)),
                "action_mask": last(data["avail_actions"].reshape(length, -1))})
 
@@ -84,7 +84,7 @@ def export_minari(store_path, dataset_id: str, out_dir=None) -> dict:
         raise StoreError('Minari export needs the minari package; pip install "marl-dataflow[minari]"') from None
     store = ReplayStore.open(store_path)
     spec = store.attrs.get("env_spec")
-    need = ("obs", "action", "reward", "done", "state", "avail_actions")
+    need = ("obs", "action", "reward", "terminated", "truncated", "state", "avail_actions")
     if not spec or any(f not in store.fields for f in need):
         raise StoreError(f"replay store at {store.path} lacks the env spec or fields {list(need)}; "
                          f"only stores written by `marl train` can be exported")

@@ -10,6 +10,9 @@ Layout of one store (a Zarr v3 group at ``path``)::
     region/ iteration/ collector/ param_version/
                               int64 (step,), chunk T, fill -1: who wrote each step
     commit/                   int64 (slot,), chunk 1, fill -1: region id committed in each slot
+    trained_version/          int64 (slot,), chunk 1, fill -1: the learner's parameter version
+                              when it first trained on the region in each slot (-1 = not yet);
+                              written by the learner (`mark_trained`), reset by the writer
     commits/                  a Zarr sub-group holding one tiny marker file per committed
                               region id (append-only history; never read-modify-write)
 
@@ -19,12 +22,18 @@ again, nothing is consolidated, and the commit log is one chunk per slot plus on
 region, so many processes can commit different slots at once.
 
 Write protocol for region r in slot s = r % n_slots:
-  1. commit[s] = -1 (the slot is no longer readable),
+  1. commit[s] = -1 (the slot is no longer readable), trained_version[s] = -1,
   2. write every field's chunk for slot s,
   3. write the slot's coordinates (region, iteration, collector, param_version),
   4. commit[s] = r, then the marker file commits/<r> (tmp file + os.replace).
 A reader trusts slot s for region r only if the slot's ``region`` coordinates all equal r
-*and then* commit[s] == r; reads of data re-check commit[s] afterwards.
+*and then* commit[s] == r; reads of data re-check commit[s] afterwards. The learner marks
+a committed region trained (trained_version[s] = v) only while the slot holds it and only
+once (first training wins), and re-checks the commit afterwards.
+
+Episodes: the bool fields ``terminated`` and ``truncated`` (of the transition schema) mark
+the step that ended an episode, ``first`` the step whose observation starts one (also after
+a collector restart, which resets its envs without an end).
 """
 
 from __future__ import annotations
@@ -39,15 +48,16 @@ from typing import Any, Mapping
 import numpy as np
 import zarr
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: first/terminated/truncated instead of done; trained_version
 
 STEP_DIM = "step"
 ENV_DIM = "env"
 SLOT_DIM = "slot"
 COORDS = ("region", "iteration", "collector", "param_version")
 COMMIT = "commit"
+TRAINED = "trained_version"
 HISTORY = "commits"
-_RESERVED_NAMES = frozenset(COORDS) | {COMMIT, HISTORY}
+_RESERVED_NAMES = frozenset(COORDS) | {COMMIT, TRAINED, HISTORY}
 _RESERVED_DIMS = frozenset({STEP_DIM, ENV_DIM, SLOT_DIM})
 _STORE_KEYS = ("schema_version", "n_envs", "steps_per_region", "n_slots", "fields")
 
@@ -171,7 +181,7 @@ class ReplayStore:
                 f"ReplayStore.create, use a new path"
             ) from None
         self._arrays: dict[str, zarr.Array] = {}
-        for name in (*self.fields, *COORDS, COMMIT):
+        for name in (*self.fields, *COORDS, COMMIT, TRAINED):
             try:
                 node = group[name]
             except KeyError:
@@ -266,6 +276,16 @@ class ReplayStore:
             fill_value=-1,
             dimension_names=(SLOT_DIM,),
             attributes={"description": "region id committed in each ring slot; -1 = none"},
+        )
+        group.create_array(
+            TRAINED,
+            shape=(n_slots,),
+            chunks=(1,),
+            dtype="int64",
+            fill_value=-1,
+            dimension_names=(SLOT_DIM,),
+            attributes={"description": "parameter version of the learner when it first trained "
+                                       "on the region in each ring slot; -1 = not yet"},
         )
         group.create_group(
             HISTORY,
@@ -426,6 +446,7 @@ class ReplayStore:
 
     def _mark_uncommitted(self, slot: int) -> None:
         self._arrays[COMMIT][slot] = -1
+        self._arrays[TRAINED][slot] = -1  # the region that comes is not trained on yet
 
     def _write_fields(self, slot: int, arrays: dict[str, np.ndarray]) -> None:
         steps = self._steps(slot)
@@ -510,6 +531,31 @@ class ReplayStore:
     def committed_steps(self) -> int:
         return len(self.committed()) * self.steps_per_region
 
+    def mark_trained(self, region_id: int, version: int) -> bool:
+        """Records that the learner first trained on committed region `region_id` with
+        parameter version `version`; returns whether it wrote. Only the first training
+        counts (a slot already marked keeps its version) and only while the slot still
+        holds that region (a region the ring overwrote is not marked). One learner per
+        store writes these; write_region resets its slot's mark."""
+        self._require_writable()
+        region_id = _index(region_id, "region_id")
+        version = _index(version, "version")
+        slot = self.slot_of(region_id)
+        if not self._slot_holds(slot, region_id) or int(self._arrays[TRAINED][slot]) != -1:
+            return False
+        self._arrays[TRAINED][slot] = version
+        if int(self._arrays[COMMIT][slot]) != region_id:
+            # a writer took the slot meanwhile; its reset may have come before this write
+            self._arrays[TRAINED][slot] = -1
+            return False
+        return True
+
+    def trained_versions(self) -> dict[int, int]:
+        """{region id: version of its first training} of the committed regions that a
+        learner has trained on."""
+        trained = self._arrays[TRAINED][:]
+        return {r: int(trained[s]) for r, s in self.committed() if trained[s] >= 0}
+
     def total_regions_committed(self) -> int:
         """Regions ever committed (including those since overwritten by the ring)."""
         try:
@@ -581,20 +627,27 @@ class ReplayStore:
         )
 
     def sample_episodes(self, rng: np.random.Generator, batch: int) -> list[dict[str, np.ndarray]]:
-        """Up to `batch` whole episodes inside committed regions, split at the bool field "done".
+        """Up to `batch` whole episodes inside committed regions, split at the bool fields
+        "terminated" | "truncated" (an episode's last step) and "first" (its first step).
 
-        An episode is the steps after a done (or the region start) up to and including the
-        next done; the tail after a region's last done is incomplete and is not returned.
-        Regions are visited in random order until at least `batch` episodes are found, then
-        `batch` of those are drawn without replacement.
+        An episode runs from a step marked `first` (or the step after an end) up to and
+        including the next end. Incomplete ones are not returned: the tail after a region's
+        last end, a segment cut short by a `first` (a collector restart), and the head of a
+        region that began in an earlier one (a store without a `first` field cannot tell,
+        and returns the steps from the region start to its first end as an episode).
+        Regions are visited in random order until at least `batch` episodes are found,
+        then `batch` of those are drawn without replacement.
         """
         batch = _positive_int(batch, "batch")
-        f = self.fields.get("done")
-        if f is None or f.dtype != "bool" or f.shape != ():
+        need = ("terminated", "truncated")
+        bad = [n for n in need if n not in self.fields or self.fields[n].dtype != "bool"
+               or self.fields[n].shape != ()]
+        if bad:
             raise StoreError(
-                f"sample_episodes needs a bool field 'done' of shape (); the store at {self.path} "
-                f"has {list(self.fields)}; add one or use sample_sequences"
+                f"sample_episodes needs bool fields {list(need)} of shape (); the store at "
+                f"{self.path} has {list(self.fields)}; add them or use sample_sequences"
             )
+        has_first = "first" in self.fields
         com = self._require_committed()
         pool: list[tuple[dict, int, int, int]] = []
         for k in rng.permutation(len(com)):
@@ -602,12 +655,13 @@ class ReplayStore:
                 data = self.read_region(com[k][0])
             except StoreError:
                 continue  # overwritten since committed(): skip it
-            done = data["done"]
+            end = data["terminated"] | data["truncated"]
+            starts = episode_starts(data["first"] if has_first else None, end)
             for e in range(self.n_envs):
-                begin = 0
-                for end in np.flatnonzero(done[:, e]):
-                    pool.append((data, e, begin, int(end) + 1))
-                    begin = int(end) + 1
+                for t in np.flatnonzero(end[:, e]):
+                    begin = int(starts[t, e])
+                    if begin >= 0 or not has_first:
+                        pool.append((data, e, max(begin, 0), int(t) + 1))
             if len(pool) >= batch:
                 break
         pick = rng.permutation(len(pool))[:batch]
@@ -617,17 +671,36 @@ class ReplayStore:
         ]
 
 
+def episode_starts(first, end) -> np.ndarray:
+    """[T + 1, N]: at t, where the episode that step t belongs to began in this region
+    (the latest step <= t marked `first` or following an end), or -1 where it began in an
+    earlier region. Row T is the open tail's start (T itself if step T-1 ended an episode).
+    `first` ([T, N] bool, or None where the data have none) and `end` ([T, N] bool:
+    terminated | truncated)."""
+    end = np.asarray(end, bool)
+    T, N = end.shape
+    marker = np.zeros((T + 1, N), bool)
+    marker[1:] = end
+    if first is not None:
+        marker[:T] |= np.asarray(first, bool)
+    t = np.arange(T + 1)[:, None]
+    return np.maximum.accumulate(np.where(marker, t, -1), axis=0)
+
+
 def open_replay(path):
     """A lazy (dask-backed) xarray.Dataset of the committed steps, ordered by region id.
 
-    Data variables carry the named dims (step, env, agent, ...); region, iteration, collector
-    and param_version are coordinates along step. Later ring overwrites are not reflected in
-    (and may race with) a dataset opened earlier: reopen for a fresh view.
+    Data variables carry the named dims (step, env, agent, ...); region, iteration, collector,
+    param_version and trained_version (the learner's parameter version when it first trained
+    on the step's region, -1 where it has not) are coordinates along step. Later ring
+    overwrites are not reflected in (and may race with) a dataset opened earlier: reopen for
+    a fresh view.
     """
     store = ReplayStore.open(path, mode="r")
     import xarray as xr
 
     com = store.committed()
+    trained = store._arrays[TRAINED][:]
     T = store.steps_per_region
     if com:
         idx = np.concatenate([np.arange(s * T, (s + 1) * T) for _, s in com])
@@ -636,9 +709,11 @@ def open_replay(path):
     ds = xr.open_zarr(
         store.path, consolidated=False, zarr_format=3, use_zarr_fill_value_as_mask=False
     )
-    ds = ds.drop_vars([COMMIT]).set_coords(list(COORDS)).isel({STEP_DIM: idx})
+    ds = ds.drop_vars([COMMIT, TRAINED]).set_coords(list(COORDS)).isel({STEP_DIM: idx})
     for name in COORDS:  # small: load so they describe exactly the snapshot taken above
         ds[name] = ds[name].load()
+    ds = ds.assign_coords({TRAINED: (STEP_DIM, np.repeat(
+        np.array([trained[s] for _, s in com], dtype=np.int64), T))})
     n_seeds = int(store.attrs.get("n_seeds", 1))
     if n_seeds > 1:  # several seeds share each region: seed s owns a block of envs
         ds = ds.assign_coords(seed=("env", np.arange(store.n_envs) // (store.n_envs // n_seeds)))

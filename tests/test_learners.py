@@ -97,8 +97,11 @@ def test_vdn_on_a_pettingzoo_env_collects_on_cpu_workers(tmp_path, prefect_serve
     assert store.attrs["env_id"] == "pz:mpe2.simple_spread_v3" and store.attrs["algorithm"] == "vdn"
     ds = open_replay(os.path.join(run_dir, "replay"))
     assert ds.sizes["step"] == 64 and ds.sizes["agent"] == 3
-    # MPE episodes last max_cycles steps: in 64 steps every env ended exactly 2 of them
-    assert int(ds.done.sum()) == 2 * 8
+    # MPE episodes last max_cycles steps: in 64 steps every env ended exactly 2 of them,
+    # each by PettingZoo's truncation; each env's next episode starts right after
+    assert int(ds.truncated.sum()) == 2 * 8 and not bool(ds.terminated.any())
+    first = ds.first.values
+    assert first[0].all() and (first[1:] == ds.truncated.values[:-1]).all()
     assert result["final_eval"]["length_mean"] == 25.0
     with __import__("distributed").Client(dask_cluster.scheduler_address) as client:
         where = cluster.placement(client, env_backend=stages.env_backend(

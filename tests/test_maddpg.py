@@ -133,13 +133,15 @@ def test_delayed_actor_steps_every_other_update_and_the_critic_every_update(cont
     assert moved("actor") == [True, False, True] and moved("critic") == [True, True, True]
 
 
-def test_n_step_targets_stop_at_a_done_as_a_time_limit_or_a_terminal_state():
+def test_n_step_targets_stop_at_a_truncation_as_a_time_limit_or_at_a_terminal_state():
     # one window of 5 steps, one agent: rewards 1, 2, 3, 4, 5, obs = the step index, and an
-    # episode that ends at step 1 (its step 2 is the next episode's reset obs)
+    # episode that ends by time limit at step 1 (its step 2 is the next episode's reset obs)
     g = 0.5
+    end = jnp.array([[False, True, False, False, False]])
+    no = jnp.zeros((1, 5), bool)
     windows = {"obs": jnp.arange(5.0).reshape(1, 5, 1, 1), "action": jnp.zeros((1, 5, 1, 1)),
                "avail_actions": jnp.ones((1, 5, 1, 1), bool), "reward": jnp.arange(1.0, 6.0).reshape(1, 5, 1),
-               "done": jnp.array([[False, True, False, False, False]])}
+               "terminated": no, "truncated": end}
     n = 3  # starts 0 and 1
     limit = maddpg.transitions(windows, g, True, n)
     # start 0: r0 and bootstrap on obs 1 (the step that hit the limit); start 1 (at the done) left out
@@ -147,13 +149,24 @@ def test_n_step_targets_stop_at_a_done_as_a_time_limit_or_a_terminal_state():
     np.testing.assert_allclose(limit["discount"], [g, g**3])
     np.testing.assert_allclose(limit["next_obs"][:, 0, 0], [1.0, 4.0])
     np.testing.assert_allclose(limit["weight"], [1.0, 0.0])
-    terminal = maddpg.transitions(windows, g, False, n)
-    # start 0: r0 + g r1, then nothing (terminal); start 1: its own reward only
-    np.testing.assert_allclose(terminal["reward"][:, 0], [1.0 + g * 2, 2.0])
-    np.testing.assert_allclose(terminal["discount"], [0.0, 0.0])
-    np.testing.assert_allclose(terminal["weight"], [1.0, 1.0])
-    # no done: the full n-step sum and its bootstrap
-    clear = maddpg.transitions({**windows, "done": jnp.zeros((1, 5), bool)}, g, True, n)
+    # without time_limit_bootstrap every end is terminal; with it, a `terminated` end is
+    for real_end, tlb in (({"terminated": no, "truncated": end}, False), ({"terminated": end, "truncated": no}, True),
+                          ({"terminated": end, "truncated": no}, False)):
+        terminal = maddpg.transitions({**windows, **real_end}, g, tlb, n)
+        # start 0: r0 + g r1, then nothing (terminal); start 1: its own reward only
+        np.testing.assert_allclose(terminal["reward"][:, 0], [1.0 + g * 2, 2.0])
+        np.testing.assert_allclose(terminal["discount"], [0.0, 0.0])
+        np.testing.assert_allclose(terminal["weight"], [1.0, 1.0])
+    # 2-step returns, a real end at step 2 (and a time limit at 4, after the last start):
+    # start 0 bootstraps on the obs of step 2, a real state; start 1 stops at the real end
+    # with no bootstrap; start 2 (at the real end) has its own reward only
+    mixed = maddpg.transitions({**windows, "terminated": jnp.array([[False, False, True, False, False]]),
+                                "truncated": jnp.array([[False, False, False, False, True]])}, g, True, 2)
+    np.testing.assert_allclose(mixed["reward"][:, 0], [1 + g * 2, 2 + g * 3, 3.0])
+    np.testing.assert_allclose(mixed["discount"], [g**2, 0.0, 0.0])
+    np.testing.assert_allclose(mixed["weight"], [1.0, 1.0, 1.0])
+    # no end: the full n-step sum and its bootstrap
+    clear = maddpg.transitions({**windows, "truncated": no}, g, True, n)
     np.testing.assert_allclose(clear["reward"][:, 0], [1 + g * 2 + g**2 * 3, 2 + g * 3 + g**2 * 4])
     np.testing.assert_allclose(clear["discount"], [g**3, g**3])
     np.testing.assert_allclose(clear["next_obs"][:, 0, 0], [3.0, 4.0])
@@ -224,14 +237,14 @@ def test_score_gives_per_agent_q_and_td_errors(continuous):
     assert bool(jnp.isnan(td[:, -1]).all()) and bool(jnp.isfinite(td[:, :-1]).all())
 
 
-def test_time_limit_dones_leave_the_loss_but_not_the_bootstrap(continuous):
+def test_truncations_leave_the_loss_but_not_the_bootstrap(continuous):
     env, _, state, _, data = continuous
     learner = algos.make_learner("maddpg", env.spec, algos.config_for(
         "maddpg", {**SMALL, "time_limit_bootstrap": "true"}))
     long = whole_region(data)
     td, _ = learner.score(state, long)["td_error"]
-    done = np.asarray(long["done"][:, :-1])
-    assert done.any() and (~done).any()
+    done = np.asarray(long["truncated"][:, :-1])  # MPE: every end is a time limit
+    assert done.any() and (~done).any() and not np.asarray(long["terminated"]).any()
     assert bool(jnp.isnan(td[:, :-1][done]).all()) and bool(jnp.isfinite(td[:, :-1][~done]).all())
 
 

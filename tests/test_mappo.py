@@ -93,7 +93,8 @@ def test_continuous_actions_stay_in_bounds_and_keep_the_raw_sample():
     assert (raw < spec.action_low).any() and (raw > spec.action_high).any()  # clipping did happen
     np.testing.assert_allclose(action, np.clip(raw, spec.action_low, spec.action_high))
     # the stored log-prob belongs to the unclipped sample: recomputing it gives it back
-    window = {"obs": obs[:, None], "state": obs.reshape(n, 1, -1), "done": jnp.zeros((n, 1), bool),
+    no = jnp.zeros((n, 1), bool)
+    window = {"obs": obs[:, None], "state": obs.reshape(n, 1, -1), "terminated": no, "truncated": no,
               "avail_actions": avail[:, None], "action_raw": extras["action_raw"][:, None],
               "logp": extras["logp"][:, None]}
     np.testing.assert_allclose(learner.score(state, window)["log_ratio"][0], 0.0, atol=1e-4)
@@ -120,7 +121,7 @@ def test_recurrent_actor_replays_the_behaviour_log_probs_from_stored_memory(recu
     """Windows starting mid-region and crossing an episode end give back the stored log-probs."""
     _, learner, state, data, seq = recurrent
     assert data["actor_h"].shape == (32, 8, 3, 16)
-    assert np.asarray(data["done"][5:30]).any()
+    assert np.asarray(data["truncated"][5:30]).any()
     window = {k: v[:, 5:30] for k, v in seq.items()}
     scores = learner.score(state, window)
     np.testing.assert_allclose(scores["logp_current"][0], window["logp"], atol=1e-4)

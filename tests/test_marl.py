@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from marl import algos, buffer, envs, rollout
+from marl import algos, buffer, envs, rollout, transition
 
 
 @pytest.fixture(scope="module")
@@ -52,8 +52,123 @@ def test_pettingzoo_env_steps_in_numpy_with_auto_reset():
     env = envs.make("pz:mpe2.simple_spread_v3", max_cycles=5)
     ts = env.reset(seed=0)
     assert ts.obs.shape == (3, 18) and ts.state.shape == (54,)
-    dones = [bool(env.step(np.zeros(3, np.int64)).done) for _ in range(10)]
-    assert dones == [False] * 4 + [True] + [False] * 4 + [True]
+    assert ts.first and not ts.terminated and not ts.truncated
+    steps = [env.step(np.zeros(3, np.int64)) for _ in range(10)]
+    # max_cycles ends every episode by PettingZoo's truncations: truncated, never terminated
+    assert [bool(s.truncated) for s in steps] == [False] * 4 + [True] + [False] * 4 + [True]
+    assert not any(s.terminated for s in steps)
+    assert [bool(s.first) for s in steps] == [bool(s.truncated) for s in steps]  # auto-reset obs
+
+
+class _EndsBy:
+    """A stand-in PettingZoo env whose 2nd step ends the episode with the given flags."""
+
+    def __init__(self, term, trunc):
+        self.term, self.trunc = term, trunc
+        self.possible_agents = ["a", "b"]
+
+    def reset(self, seed=None):
+        self.agents, self.t = list(self.possible_agents), 0
+        return {a: np.zeros(2, np.float32) for a in self.agents}, {}
+
+    def step(self, actions):
+        self.t += 1
+        end = self.t == 2
+        obs = {a: np.zeros(2, np.float32) for a in self.agents}
+        rew = {a: 0.0 for a in self.agents}
+        term = {a: end and self.term[i] for i, a in enumerate(self.agents)}
+        trunc = {a: end and self.trunc[i] for i, a in enumerate(self.agents)}
+        if end:
+            self.agents = []
+        return obs, rew, term, trunc, {}
+
+
+@pytest.mark.parametrize("term, trunc, expect", [
+    ((True, True), (False, False), "terminated"),
+    ((False, False), (True, True), "truncated"),
+    ((True, False), (False, True), "truncated"),  # the limit cut off an agent still going
+    ((True, True), (True, True), "terminated"),  # both: a real end
+])
+def test_pettingzoo_end_is_truncated_where_the_time_limit_cut_a_live_agent(term, trunc, expect):
+    spec = envs.EnvSpec("pz:x", ("a", "b"), 2, 4, True, 2, 0, 0.0, 0.0, False, 2, "numpy")
+    env = envs.PettingZooEnv(lambda: _EndsBy(term, trunc), spec)
+    env.reset(seed=0)
+    ts = env.step(np.zeros(2, np.int64))
+    assert not (ts.first or ts.terminated or ts.truncated)
+    ts = env.step(np.zeros(2, np.int64))
+    assert ts.first and bool(ts.terminated) == (expect == "terminated") and bool(ts.truncated) == (expect == "truncated")
+
+
+def _smax_step_from(env, edit, key=0):
+    """One SMAX step (all agents no-op) from a fresh state changed by `edit`."""
+    _, state = env.reset(jax.random.PRNGKey(key))
+    state = state.replace(state=edit(state.state))
+    return env.step(jax.random.PRNGKey(key + 1), state, jnp.zeros(3, jnp.int32))[0]
+
+
+def test_smax_elimination_is_terminated_and_the_step_limit_truncated():
+    env = envs.make("smax:3m")
+    n = env.env.num_allies
+    # the enemies are all dead: a won, terminated (not truncated) end
+    ts = _smax_step_from(env, lambda s: s.replace(unit_health=s.unit_health.at[n:].set(0.0)))
+    assert ts.terminated and not ts.truncated and ts.won and ts.first
+    # the allies are all dead: a lost, terminated end
+    ts = _smax_step_from(env, lambda s: s.replace(unit_health=s.unit_health.at[:n].set(0.0)))
+    assert ts.terminated and not ts.truncated and not ts.won
+    # the step limit with both sides alive: truncated, not terminated, not won
+    ts = _smax_step_from(env, lambda s: s.replace(step=jnp.asarray(env.spec.episode_limit, s.step.dtype)))
+    assert ts.truncated and not ts.terminated and not ts.won and ts.first
+    # the limit on the step a side is wiped out: a real end
+    ts = _smax_step_from(env, lambda s: s.replace(step=jnp.asarray(env.spec.episode_limit, s.step.dtype),
+                                                  unit_health=s.unit_health.at[n:].set(0.0)))
+    assert ts.terminated and not ts.truncated and ts.won
+    # a mid-episode step
+    ts = _smax_step_from(env, lambda s: s)
+    assert not (ts.first or ts.terminated or ts.truncated)
+
+
+def _episode_lengths(data):
+    """(end steps' episode lengths, their terminated, truncated) over a [T, N] record whose
+    collector started at step 0 (every env's first episode begins there)."""
+    end = np.asarray(transition.done(data))
+    first = np.asarray(data["first"])
+    T, N = end.shape
+    lengths, term, trunc = [], [], []
+    for e in range(N):
+        begin = 0
+        for t in range(T):
+            if first[t, e]:
+                begin = t
+            if end[t, e]:
+                lengths.append(t + 1 - begin)
+                term.append(bool(data["terminated"][t, e]))
+                trunc.append(bool(data["truncated"][t, e]))
+    return np.array(lengths), np.array(term), np.array(trunc)
+
+
+def test_collected_smax_and_mpe_episodes_end_as_they_should(smax3m):
+    _, learner = smax3m
+    # SMAX with a 20-step limit: random play ends some episodes by elimination (terminated,
+    # shorter than the limit) and the others at the limit (truncated, 21 steps as jaxmarl counts)
+    env = envs.make("smax:3m", max_steps=20)
+    init, collect = rollout.make_collector(env, learner.act, learner.init_carry, n_envs=16, n_steps=48)
+    state = learner.init(jax.random.PRNGKey(0))
+    _, data, _ = collect(learner.policy_params(state), init(jax.random.PRNGKey(1)), {"epsilon": jnp.float32(1.0)})
+    lengths, term, trunc = _episode_lengths(data)
+    assert not (term & trunc).any() and (term | trunc).all()
+    assert term.any() and trunc.any()
+    assert (lengths[trunc] == 21).all() and (lengths[term] <= 21).all()
+    won = np.asarray(data["won"])
+    assert not (won & ~np.asarray(data["terminated"])).any(), "a win that is not a real end"
+    # MPE: every end is the time limit
+    mpe = envs.make("mpe:simple_spread")
+    qmix = algos.make_learner("qmix", mpe.spec, algos.config_for("qmix", {"hidden": 8}))
+    init, collect = rollout.make_collector(mpe, qmix.act, qmix.init_carry, n_envs=4, n_steps=60)
+    _, data, stats = collect(qmix.policy_params(qmix.init(jax.random.PRNGKey(0))), init(jax.random.PRNGKey(1)),
+                             {"epsilon": jnp.float32(1.0)})
+    lengths, term, trunc = _episode_lengths(data)
+    assert len(lengths) == 4 * 2 and trunc.all() and not term.any() and (lengths == 26).all()
+    assert int(stats["episodes"]) == 8
 
 
 def test_collect_shapes_masks_and_episode_stats(smax3m):
@@ -67,8 +182,18 @@ def test_collect_shapes_masks_and_episode_stats(smax3m):
         assert data["action"].shape == (64, 8, 3) and data["avail_actions"].shape == (64, 8, 3, 8)
         chosen = np.take_along_axis(np.asarray(data["avail_actions"]), np.asarray(data["action"])[..., None], -1)
         assert chosen.all(), "an unavailable action was chosen"
-    assert int(stats["episodes"]) == int(np.asarray(data["done"]).sum())
+    done = np.asarray(transition.done(data))
+    assert int(stats["episodes"]) == int(done.sum())
     assert collect._cache_size() == 1, "the rollout recompiled on a later call"
+    # `first`: True at the collector's very first step (the first call's data are gone, so
+    # check a fresh collector) and right after every end, also across calls (regions)
+    first = np.asarray(data["first"])
+    np.testing.assert_array_equal(first[1:], done[:-1])
+    rs2, data2, _ = collect(learner.policy_params(state), rs, {"epsilon": jnp.float32(1.0)})
+    np.testing.assert_array_equal(np.asarray(data2["first"])[0], done[-1])
+    _, fresh, _ = collect(learner.policy_params(state), init(jax.random.PRNGKey(7)), {"epsilon": jnp.float32(1.0)})
+    assert np.asarray(fresh["first"])[0].all()
+    assert set(data) == set(transition.FIELDS), "a record holds exactly the Transition's fields"
 
 
 def test_evaluate_counts_one_episode_per_env(smax3m):
@@ -98,7 +223,6 @@ def test_qmix_update_fits_a_batch_and_copies_target(smax3m):
     arrays, valid = buffer.insert(arrays, valid, 0, data)
     batch = buffer.sample_windows(jax.random.PRNGKey(2), arrays, valid, 4, 8)
     assert batch["obs"].shape == (4, 8, 3, 75)
-    batch = {**batch, "done": batch["done"].astype(jnp.float32)}
     losses = []
     for _ in range(30):
         state, metrics = learner.update(state, batch)
@@ -109,6 +233,26 @@ def test_qmix_update_fits_a_batch_and_copies_target(smax3m):
     state, _ = learner.update(state, batch)
     same = jax.tree.map(lambda a, b: bool(jnp.all(a == b)), state["params"], state["target_params"])
     assert all(jax.tree.leaves(same)), "target network not copied at the interval"
+
+
+def test_store_fields_derive_from_the_transition():
+    spec = envs.spec_of("smax:3m")
+    fields = transition.store_fields(spec, {"logp": ((3,), "float32", ("agent",))})
+    assert list(fields) == [*transition.FIELDS, "logp"]
+    assert "done" not in fields and fields["first"] == ((), "bool", ())
+    assert fields["obs"] == ((3, 75), "float32", ("agent", "obs_dim"))
+    assert fields["action"] == ((3,), "int32", ("agent",))
+    cont = transition.store_fields(envs.spec_of("mpe:simple_spread", action_type="Continuous"), {})
+    assert cont["action"] == ((3, 5), "float32", ("agent", "act_dim"))
+    with pytest.raises(ValueError, match="extra field 'reward'"):
+        transition.store_fields(spec, {"reward": ((), "float32", ())})
+    # a Transition flattens to the record the store writes, and back
+    t = transition.Transition(*range(9), extras={"logp": 9})
+    record = transition.to_record(t)
+    assert record == {**dict(zip(transition.FIELDS, range(9))), "logp": 9}
+    assert transition.from_record(record) == t
+    flags = {"terminated": np.array([True, False, False]), "truncated": np.array([False, True, False])}
+    np.testing.assert_array_equal(transition.done(flags), [True, True, False])
 
 
 def test_sampling_only_touches_committed_slots():

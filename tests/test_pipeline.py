@@ -56,11 +56,12 @@ def test_flow_writes_a_labelled_store(first_run):
     assert dict(ds.sizes) == {"step": 8 * 32, "env": 8, "agent": 3, "obs_dim": 75, "state_dim": 72, "n_actions": 8}
     assert ds.obs.dims == ("step", "env", "agent", "obs_dim")
     assert ds.state.dims == ("step", "env", "state_dim")
-    assert ds.action.dims == ("step", "env", "agent") and ds.done.dims == ("step", "env")
+    assert ds.action.dims == ("step", "env", "agent") and ds.terminated.dims == ("step", "env")
+    assert ds.truncated.dims == ds.first.dims == ("step", "env") and "done" not in ds
     assert ds.avail_actions.dims == ("step", "env", "agent", "n_actions")
     assert set(ds.coords) >= {"iteration", "collector", "param_version", "region"}
     attrs = ReplayStore.open(os.path.join(run_dir, "replay")).attrs
-    assert attrs["env_id"] == "smax:3m" and attrs["algorithm"] == "qmix" and attrs["schema_version"] == 1
+    assert attrs["env_id"] == "smax:3m" and attrs["algorithm"] == "qmix" and attrs["schema_version"] == 2
     assert result["final_eval"]["episodes"] == 16
     assert np.isfinite(result["history"][-1]["loss"])
 

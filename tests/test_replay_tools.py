@@ -62,16 +62,22 @@ def test_episodes_match_the_collectors_stats(run):
     assert (by_iteration["partial"] == 0).all()
 
 
-def _synthetic_store(path, n_slots, regions):
-    """A real store of hand-made regions: [(region, iteration, collector, reward [T, N], done [T, N])]."""
-    store = ReplayStore.create(path, fields={"reward": Field((2,), "float32", ("agent",)),
-                                             "done": Field((), "bool", ()),
-                                             "won": Field((), "bool", ())},
-                               n_envs=2, steps_per_region=4, n_slots=n_slots, attrs={})
-    for region, iteration, collector, reward, done in regions:
-        store.write_region(region, {"reward": np.repeat(np.asarray(reward, np.float32)[..., None], 2, -1),
-                                    "done": np.asarray(done, bool), "won": np.asarray(done, bool)},
-                           iteration=iteration, collector=collector, param_version=iteration)
+def _synthetic_store(path, n_slots, regions, with_first=False):
+    """A real store of hand-made regions: [(region, iteration, collector, reward [T, N],
+    end [T, N](, first [T, N]))]; env 0 ends terminated, env 1 truncated: both count."""
+    fields = {"reward": Field((2,), "float32", ("agent",)), "terminated": Field((), "bool", ()),
+              "truncated": Field((), "bool", ()), "won": Field((), "bool", ())}
+    if with_first:
+        fields["first"] = Field((), "bool", ())
+    store = ReplayStore.create(path, fields=fields, n_envs=2, steps_per_region=4, n_slots=n_slots, attrs={})
+    for region, iteration, collector, reward, end, *first in regions:
+        end = np.asarray(end, bool)
+        truncated = end & (np.arange(end.shape[1]) == 1)
+        data = {"reward": np.repeat(np.asarray(reward, np.float32)[..., None], 2, -1),
+                "terminated": end & ~truncated, "truncated": truncated, "won": end}
+        if with_first:
+            data["first"] = np.asarray(first[0], bool)
+        store.write_region(region, data, iteration=iteration, collector=collector, param_version=iteration)
     return store
 
 
@@ -105,6 +111,38 @@ def test_episodes_join_regions_per_collector_and_mark_overwritten_starts_partial
     got = sorted((r["collector"], r["region"], r["return"], r["length"], r["complete"])
                  for r in t.to_dict("records"))
     assert got == [(0, 2, 6.0, 6, True), (1, 1, 200.0, 2, True)]
+
+
+def test_a_stored_first_starts_an_episode_where_a_collector_restarted(tmp_path):
+    from storage.episodes import iter_episodes
+
+    # one collector, 3 regions of 4 steps, reward = global step. The collector starts at
+    # step 0 (first), env 0 ends at step 5; the collector restarts at step 8 (region 2,
+    # first without an end) and env 0 ends at step 10; env 1 ends only at step 11.
+    g = np.arange(12.0)[:, None].repeat(2, 1)
+    end = np.zeros((12, 2), bool)
+    end[[5, 10], 0] = True
+    end[11, 1] = True
+    first = np.zeros((12, 2), bool)
+    first[[0, 8]] = True
+    first[6, 0] = True  # after env 0's end
+    _synthetic_store(tmp_path / "s", 4, [(r, r, 0, g[4 * r:4 * r + 4], end[4 * r:4 * r + 4],
+                                          first[4 * r:4 * r + 4]) for r in range(3)], with_first=True)
+    ds = open_replay(tmp_path / "s")
+    t = episodes(ds)
+    rows = sorted((r["env"], r["region"], r["end_t"], r["return"], r["length"], r["complete"])
+                  for r in t.to_dict("records"))
+    # the restart cut env 0's episode begun at step 6 and env 1's begun at 0: neither has an
+    # end, so no row; the episodes that began at the restart are whole
+    assert rows == [(0, 1, 1, sum(range(0, 6)), 6, True), (0, 2, 2, 8 + 9 + 10, 3, True),
+                    (1, 2, 3, 8 + 9 + 10 + 11, 4, True)]
+    got = sorted((row["env"], tuple(data["reward"][:, 0])) for row, data in iter_episodes(ds, ("reward",), t))
+    assert got == [(0, (0.0, 1.0, 2.0, 3.0, 4.0, 5.0)), (0, (8.0, 9.0, 10.0)), (1, (8.0, 9.0, 10.0, 11.0))]
+    # without the marks, the restart joins env 1's two pieces into one episode of 12 steps
+    _synthetic_store(tmp_path / "legacy", 4, [(r, r, 0, g[4 * r:4 * r + 4], end[4 * r:4 * r + 4])
+                                              for r in range(3)])
+    legacy = episodes(open_replay(tmp_path / "legacy"))
+    assert sorted(legacy[legacy["env"] == 1]["length"]) == [12]
 
 
 def test_replay_info_and_episodes_cli(run, tmp_path, capsys):
@@ -202,7 +240,11 @@ def test_minari_export_reads_back(run, tmp_path, monkeypatch, capsys):
     returns = sorted(float(e.rewards.sum()) for e in dataset.iterate_episodes())
     np.testing.assert_allclose(returns, sorted(table["return"]), rtol=1e-5, atol=1e-6)
     first = dataset[0]
-    assert first.observations.shape[0] == len(first.rewards) + 1 and first.terminations[-1]
+    assert first.observations.shape[0] == len(first.rewards) + 1
+    # every episode ends in a termination or a truncation at its last step only, as stored
+    for e in dataset.iterate_episodes():
+        ended = e.terminations | e.truncations
+        assert ended[-1] and not ended[:-1].any() and not (e.terminations & e.truncations).any()
     # the same id again is refused in one line, and the dataset stays as it was
     assert main(["replay", "export", run_dir, "--minari", "marl/smax-3m-tiny-v0", "--out", str(out)]) == 2
     assert "already exists" in capsys.readouterr().err

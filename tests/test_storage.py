@@ -22,7 +22,9 @@ FIELDS = {
     "state": Field((STATE_DIM,), "float32", ("state_dim",)),
     "action": Field((N_AGENTS,), "int32", ("agent",)),
     "reward": Field((N_AGENTS,), "float32", ("agent",)),
-    "done": Field((), "bool", ()),
+    "first": Field((), "bool", ()),
+    "terminated": Field((), "bool", ()),
+    "truncated": Field((), "bool", ()),
     "avail_actions": Field((N_AGENTS, N_ACTIONS), "bool", ("agent", "n_actions")),
 }
 
@@ -49,13 +51,17 @@ def region_data(r, n_envs=N_ENVS, done_every=None):
     done = np.zeros((T, n_envs), bool)
     if done_every:
         done[done_every - 1 :: done_every] = True
+    first = np.zeros((T, n_envs), bool)
+    first[1:] = done[:-1]
     return {
         "obs": np.broadcast_to(code[..., None, None], (T, n_envs, N_AGENTS, OBS_DIM)).astype("float32")
         + np.arange(OBS_DIM, dtype="float32") / 10,
         "state": np.broadcast_to(code[..., None], (T, n_envs, STATE_DIM)).astype("float32"),
         "action": np.broadcast_to((code % 6)[..., None], (T, n_envs, N_AGENTS)).astype("int32"),
         "reward": np.broadcast_to(code[..., None], (T, n_envs, N_AGENTS)).astype("float32") * -1,
-        "done": done,
+        "first": first,
+        "terminated": done,
+        "truncated": np.zeros((T, n_envs), bool),
         "avail_actions": np.ones((T, n_envs, N_AGENTS, N_ACTIONS), bool),
     }
 
@@ -102,12 +108,14 @@ def test_create_write_open_replay(tmp_path):
     assert ds.obs.dims == ("step", "env", "agent", "obs_dim")
     assert ds.state.dims == ("step", "env", "state_dim")
     assert ds.action.dims == ("step", "env", "agent")
-    assert ds.done.dims == ("step", "env")
+    assert ds.terminated.dims == ("step", "env") and ds.truncated.dims == ("step", "env")
+    assert ds.first.dims == ("step", "env")
     assert ds.avail_actions.dims == ("step", "env", "agent", "n_actions")
     assert dict(ds.sizes) == {"step": 3 * T, "env": N_ENVS, "agent": N_AGENTS, "obs_dim": OBS_DIM,
                               "state_dim": STATE_DIM, "n_actions": N_ACTIONS}
     assert "commit" not in ds.variables and "slot" not in ds.dims
-    assert set(ds.coords) >= {"region", "iteration", "collector", "param_version"}
+    assert set(ds.coords) >= {"region", "iteration", "collector", "param_version", "trained_version"}
+    np.testing.assert_array_equal(ds.trained_version.values, np.full(3 * T, -1))
     assert ds.obs.chunks is not None  # lazy, dask-backed
     assert ds.attrs["env_id"] == "smax:3m" and ds.attrs["config"]["gamma"] == 0.99
     np.testing.assert_array_equal(ds.region.values, np.repeat([0, 1, 2], T))
@@ -273,8 +281,8 @@ def test_bad_region_data_writes_nothing(tmp_path):
     before = snapshot(path)
     good = region_data(1)
     bad_inputs = {
-        "missing field": {k: v for k, v in good.items() if k != "done"},
-        "unknown field": {**good, "extra": good["done"]},
+        "missing field": {k: v for k, v in good.items() if k != "terminated"},
+        "unknown field": {**good, "extra": good["terminated"]},
         "has shape": {**good, "obs": good["obs"][:, :, :2]},
         "dtype": {**good, "action": good["action"].astype("float32")},
     }
@@ -371,7 +379,7 @@ def test_sample_sequences(tmp_path):
     batch = store.sample_sequences(rng, batch=16, length=length)
     assert set(batch) == set(FIELDS)
     assert batch["obs"].shape == (16, length, N_AGENTS, OBS_DIM)
-    assert batch["done"].shape == (16, length) and batch["done"].dtype == bool
+    assert batch["terminated"].shape == (16, length) and batch["terminated"].dtype == bool
     assert batch["action"].dtype == np.int32
     code = batch["state"][:, :, 0].astype(int)  # r*1000 + t*10 + e
     regions, steps, envs = code // 1000, (code % 1000) // 10, code % 10
@@ -388,10 +396,15 @@ def test_sample_sequences(tmp_path):
 
 def test_sample_episodes(tmp_path):
     store = make_store(tmp_path / "r")
-    done = np.zeros((T, N_ENVS), bool)
-    done[1, 0] = done[3, 0] = True  # env 0: episodes steps [0,1], [2,3]
-    done[2, 1] = True               # env 1: episode [0,1,2]; step 3 is an unfinished tail
-    data = {**region_data(0), "done": done}
+    end = np.zeros((T, N_ENVS), bool)
+    end[1, 0] = end[3, 0] = True  # env 0: episodes steps [0,1], [2,3]
+    end[2, 1] = True               # env 1: episode [0,1,2]; step 3 is an unfinished tail
+    first = np.zeros((T, N_ENVS), bool)
+    first[0] = True  # the collector's first step
+    first[2, 0] = first[3, 1] = True  # and after each end
+    truncated = np.zeros((T, N_ENVS), bool)
+    truncated[3, 0] = True  # the second episode of env 0 ended by time limit
+    data = {**region_data(0), "first": first, "terminated": end & ~truncated, "truncated": truncated}
     store.write_region(0, data, iteration=0, collector=0, param_version=0)
     eps = store.sample_episodes(np.random.default_rng(0), batch=10)
     assert len(eps) == 3  # up to batch
@@ -399,9 +412,99 @@ def test_sample_episodes(tmp_path):
     assert got == [((0, 1), 0), ((0, 1, 2), 1), ((2, 3), 0)]
     for e in eps:
         assert set(e) == set(FIELDS)
-        assert e["done"][-1] and not e["done"][:-1].any()
-        assert e["obs"].shape == (len(e["done"]), N_AGENTS, OBS_DIM)
+        ended = e["terminated"] | e["truncated"]
+        assert ended[-1] and not ended[:-1].any()
+        assert e["first"][0] and not e["first"][1:].any()
+        assert e["obs"].shape == (len(ended), N_AGENTS, OBS_DIM)
     assert len(store.sample_episodes(np.random.default_rng(1), batch=2)) == 2
+
+
+def test_sample_episodes_start_at_first_and_skip_cut_ones(tmp_path):
+    store = make_store(tmp_path / "r")
+    end = np.zeros((T, N_ENVS), bool)
+    first = np.zeros((T, N_ENVS), bool)
+    # env 0: the region begins mid-episode (no first at step 0): its head [0,1] is not whole;
+    # then a whole episode [2,3]
+    end[1, 0] = end[3, 0] = True
+    first[2, 0] = True
+    # env 1: an episode from step 0 is cut by a collector restart at step 2 (first without
+    # an end before it): [0,1] is dropped, [2,3] is whole
+    first[0, 1] = first[2, 1] = True
+    end[3, 1] = True
+    data = {**region_data(0), "first": first, "terminated": end}
+    store.write_region(0, data, iteration=0, collector=0, param_version=0)
+    eps = store.sample_episodes(np.random.default_rng(0), batch=10)
+    got = sorted((tuple((e["state"][:, 0] % 1000 // 10).astype(int)), int(e["state"][0, 0] % 10)) for e in eps)
+    assert got == [((2, 3), 0), ((2, 3), 1)]
+
+
+def test_episode_starts_mark_firsts_and_steps_after_ends():
+    from storage.replay import episode_starts
+
+    end = np.array([[0, 0], [1, 0], [0, 0], [0, 1]], bool)
+    first = np.array([[0, 1], [0, 0], [0, 1], [0, 0]], bool)
+    np.testing.assert_array_equal(episode_starts(first, end), [[-1, 0], [-1, 0], [2, 2], [2, 2], [2, 4]])
+    np.testing.assert_array_equal(episode_starts(None, end)[:, 1], [-1, -1, -1, -1, 4])
+
+
+# ---------------------------------------------------------------- training marks
+def test_mark_trained_first_write_wins_and_resets_with_the_slot(tmp_path):
+    store = make_store(tmp_path / "r", n_slots=2)
+    write(store, 0)
+    write(store, 1)
+    assert store.trained_versions() == {}
+    assert store.mark_trained(0, 3) is True
+    assert store.mark_trained(0, 5) is False  # the first training counts, not later ones
+    assert store.mark_trained(1, 4) is True
+    assert store.trained_versions() == {0: 3, 1: 4}
+    assert ReplayStore.open(tmp_path / "r").trained_versions() == {0: 3, 1: 4}  # on disk
+    with pytest.raises(StoreError, match="read-only"):
+        ReplayStore.open(tmp_path / "r").mark_trained(1, 6)
+    # region 2 overwrites slot 0: the new region is not trained on yet, and the old one,
+    # which the slot no longer holds, cannot be marked
+    write(store, 2)
+    assert store.trained_versions() == {1: 4}
+    assert store.mark_trained(0, 7) is False
+    assert store.trained_versions() == {1: 4}
+    assert store.mark_trained(2, 8) is True and store.trained_versions() == {1: 4, 2: 8}
+    # a retried write of the same region resets its mark too (it may hold new data)
+    write(store, 2)
+    assert store.trained_versions() == {1: 4}
+    # a region not committed (yet) is not marked
+    assert store.mark_trained(3, 9) is False
+    with pytest.raises(StoreError, match="version must be an int >= 0"):
+        store.mark_trained(1, -1)
+
+
+def test_open_replay_has_trained_version_along_step(tmp_path):
+    store = make_store(tmp_path / "r", n_slots=3)
+    for r in range(4):  # committed: 1, 2, 3 (region 3 in slot 0)
+        write(store, r)
+    store.mark_trained(1, 2)
+    store.mark_trained(3, 4)
+    ds = open_replay(tmp_path / "r")
+    assert ds.trained_version.dims == ("step",) and "trained_version" in ds.coords
+    np.testing.assert_array_equal(ds.region.values, np.repeat([1, 2, 3], T))
+    np.testing.assert_array_equal(ds.trained_version.values, np.repeat([2, -1, 4], T))
+    assert "slot" not in ds.dims
+    g = zarr.open_group(str(tmp_path / "r"), mode="r", zarr_format=3)
+    assert g["trained_version"].metadata.dimension_names == ("slot",) and g["trained_version"].chunks == (1,)
+    assert g["trained_version"].fill_value == -1
+    # the reserved name cannot be a field
+    with pytest.raises(StoreError, match="field name 'trained_version'"):
+        ReplayStore.create(tmp_path / "x", fields={"trained_version": Field((), "int64", ())}, n_envs=1,
+                           steps_per_region=T, n_slots=1, attrs={})
+
+
+def test_a_schema_1_store_is_refused_in_one_line(tmp_path):
+    make_store(tmp_path / "r")
+    g = zarr.open_group(str(tmp_path / "r"), mode="r+", zarr_format=3)
+    g.attrs["schema_version"] = 1
+    assert SCHEMA_VERSION == 2
+    for opener in (ReplayStore.open, open_replay):
+        with pytest.raises(StoreError) as e:
+            opener(tmp_path / "r")
+        assert "schema_version 1, this code reads 2" in str(e.value) and "\n" not in str(e.value)
 
 
 # ---------------------------------------------------------------- checkpoints

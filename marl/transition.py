@@ -1,0 +1,133 @@
+"""The transition: what one env step records, defined once.
+
+Collectors (marl.rollout) emit a `Transition` per step; the replay store's fields
+(`store_fields`) and the dict batches the learners read (`to_record`) are derived from its
+field list, so a field's name is spelled here and nowhere else. Shapes below are per env;
+stored and sampled arrays put (step, env) in front, [T, N, ...] (windows: [B, L, ...]).
+
+Step t of a stream of one env: the agents see `obs[t]` and act `action[t]`; the env steps
+and answers with `reward[t]` and whether that step ended the episode (`terminated[t]` or
+`truncated[t]`). The envs auto-reset, so after an end the next obs, obs[t + 1], are the next
+episode's first ones (`first[t + 1]`): no terminal obs is stored.
+
+Fields (A = spec.n_agents):
+
+    obs            [A, obs_dim] float32, dims (agent, obs_dim): what each agent sees at t
+                   (zero-padded to the widest agent's observation)
+    state          [state_dim] float32, dims (state_dim,): the global state at t, for mixers
+                   and centralised critics (SMAX: jaxmarl's world state, scaled to about
+                   [0, 1]; MPE and PettingZoo without state(): the agents' obs, concatenated)
+    avail_actions  [A, mask_width] bool, dims (agent, n_actions): the actions each agent may
+                   take at t (all True where the env does not restrict them; continuous
+                   actions: one True column)
+    action         discrete: [A] int32, dims (agent,); continuous: [A, action_dim] float32,
+                   dims (agent, act_dim), within [action_low, action_high]: what was done at t
+    reward         [A] float32, dims (agent,): each agent's reward for the step taken at t
+    first          bool, dims (): obs[t] are the first of an episode: after a reset (including
+                   a collector's very first step, and a collector that restarted and reset its
+                   envs) or an auto-reset after an end at t - 1
+    terminated     bool, dims (): the step taken at t ended the episode for real, in a state
+                   with no future (SMAX: a side was wiped out; PettingZoo: the env's
+                   terminations, with no agent still going cut off by a truncation)
+    truncated      bool, dims (): the step taken at t ended the episode by a time limit, so the
+                   state it led to had a future (MPE: always, at max_steps; SMAX: the step
+                   limit with both sides alive; PettingZoo: its truncations). Never together
+                   with `terminated`
+    won            bool, dims (): the step taken at t won the episode (SMAX: the enemies are
+                   all dead and an ally is alive); False elsewhere
+    extras         {name: array}: the learner's per-step extras, as its `act` returned them
+                   (e.g. MAPPO's behaviour log-probability `logp` [A] float32), named, shaped
+                   and typed by its `Learner.extra_fields`; stored flat beside the others
+
+The episode ended at t where `done(x)` = terminated | truncated; a learner that treats
+every end alike uses that (a time-limit end should bootstrap where a real end does not).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, NamedTuple
+
+from marl.envs import EnvSpec
+
+# a field's schema: (shape per env, dtype, dim names after (step, env))
+FieldSpec = tuple[tuple[int, ...], str, tuple[str, ...]]
+
+
+class Transition(NamedTuple):
+    """One step of N envs ([N, ...] leaves), or T steps of them ([T, N, ...]); see the
+    module docstring for every field."""
+
+    obs: Any
+    state: Any
+    avail_actions: Any
+    action: Any
+    reward: Any
+    first: Any
+    terminated: Any
+    truncated: Any
+    won: Any
+    extras: Any  # dict name -> array, the learner's per-step extras
+
+
+EXTRAS = "extras"
+# the fields stored under their own name (extras are stored under theirs)
+FIELDS = tuple(f for f in Transition._fields if f != EXTRAS)
+
+
+def _schema(spec: EnvSpec) -> Transition:
+    """Each field's (shape, dtype, dims) for one env spec, as a Transition."""
+    a = spec.n_agents
+    flag: FieldSpec = ((), "bool", ())
+    if spec.discrete:
+        action: FieldSpec = ((a,), "int32", ("agent",))
+    else:
+        action = ((a, spec.action_dim), "float32", ("agent", "act_dim"))
+    return Transition(
+        obs=((a, spec.obs_dim), "float32", ("agent", "obs_dim")),
+        state=((spec.state_dim,), "float32", ("state_dim",)),
+        avail_actions=((a, spec.mask_width), "bool", ("agent", "n_actions")),
+        action=action,
+        reward=((a,), "float32", ("agent",)),
+        first=flag,
+        terminated=flag,
+        truncated=flag,
+        won=flag,
+        extras={},
+    )
+
+
+def store_fields(spec: EnvSpec, extra_fields: Mapping[str, FieldSpec]) -> dict[str, FieldSpec]:
+    """The replay schema: name -> (shape per env, dtype, dims) of every Transition field for
+    `spec`, then the learner's `extra_fields`, in the order the store lists them."""
+    fields = {name: value for name, value in zip(Transition._fields, _schema(spec)) if name != EXTRAS}
+    for name, (shape, dtype, dims) in extra_fields.items():
+        if name in fields or name == EXTRAS:
+            raise ValueError(f"learner extra field {name!r} has the name of a transition field; "
+                             f"rename it (transition fields: {', '.join(FIELDS)})")
+        fields[name] = (tuple(shape), str(dtype), tuple(dims))
+    return fields
+
+
+def to_record(transition: Transition) -> dict:
+    """A Transition -> the flat {name: array} dict the store writes and the learners read
+    (extras flattened under their own names)."""
+    record = transition._asdict()
+    extras = record.pop(EXTRAS) or {}
+    clash = sorted(set(extras) & set(record))
+    if clash:
+        raise ValueError(f"extras {clash} have the names of transition fields; rename them")
+    return {**record, **extras}
+
+
+def from_record(record: Mapping) -> Transition:
+    """The inverse of `to_record`: every key that is not a Transition field is an extra."""
+    return Transition(**{name: record[name] for name in FIELDS},
+                      extras={k: v for k, v in record.items() if k not in FIELDS})
+
+
+def done(batch):
+    """terminated | truncated: where an episode ended, for whatever reason (of a flat dict
+    batch, a Transition or an env's Timestep)."""
+    if isinstance(batch, Mapping):
+        return batch["terminated"] | batch["truncated"]
+    return batch.terminated | batch.truncated
