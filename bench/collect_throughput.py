@@ -76,7 +76,7 @@ def pipeline_collect(client, worker: str, n_envs: int, n_steps: int, repeats: in
         "envs_per_collector": n_envs, "steps_per_region": n_steps, "buffer_steps": n_steps * (repeats + 1)})
     cfg = config.to_dict()
     client.submit(stages.prepare_run, cfg, workers=[worker], pure=False).result()
-    params = client.submit(stages.initial_params, cfg, workers=[worker], pure=False)
+    params = client.submit(stages.policy_params, cfg, workers=[worker], pure=False)
     # warm up: compile and open the store on the worker, as the first iteration of a run does
     client.submit(stages.collect, cfg, 0, 0, params, 0, 10**6, workers=[worker], pure=False).result()
     started = time.perf_counter()

@@ -68,7 +68,7 @@ def throughput(n_workers: int, iterations: int, run_dir: str) -> dict:
             Client(cluster) as client:
         workers = sorted(client.scheduler_info()["workers"])
         client.submit(stages.prepare_run, cfg, workers=[workers[0]], pure=False).result()
-        params = client.submit(stages.initial_params, cfg, workers=[workers[0]], pure=False).result()
+        params = client.submit(stages.policy_params, cfg, workers=[workers[0]], pure=False).result()
         params = client.scatter(params, broadcast=True)
 
         def one_iteration(iteration):

@@ -98,6 +98,7 @@ def _summary_markdown(result: dict, config, png: str, png_uri: str) -> str:
         ("env steps", f"{result['env_steps']:,}{resumed}"),
         ("iterations this run", result["iterations"]),
         ("wall time", f"{result['wall_s']:.1f} s"),
+        *_dataflow_rows(result.get("dataflow")),
         ("final greedy evaluation", evaluation),
         ("run dir", f"`{os.path.abspath(config.run_dir)}`"),
         ("replay store", f"`{os.path.abspath(result['store'])}`"),
@@ -109,6 +110,18 @@ def _summary_markdown(result: dict, config, png: str, png_uri: str) -> str:
     lines += [f"| {name} | {value} |" for name, value in rows]
     lines += ["", "Reopen the replay with `storage.open_replay(path)`, or `marl replay info PATH`."]
     return "\n".join(lines)
+
+
+def _dataflow_rows(summary: dict | None) -> list[tuple[str, str]]:
+    """How the stages shared the wall: busy fractions and the policy lag's distribution."""
+    if not summary:
+        return []
+    lags = summary["policy_lag_histogram"]
+    total = sum(lags.values()) or 1
+    return [("learner busy", f"{summary['learner_busy']:.0%} of the wall"),
+            ("collectors busy", f"{summary['collector_busy']:.0%} of the wall"),
+            ("policy lag (regions)", ", ".join(f"{lag}: {n} ({n / total:.0%})" for lag, n in lags.items())
+             or "none")]
 
 
 def _float(value) -> float:

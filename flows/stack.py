@@ -300,9 +300,12 @@ def _commands(name: str, home: str, state: dict, args, gpus: int) -> tuple[list[
 
 
 def _component_env(name: str, base: dict[str, str], state: dict) -> dict[str, str]:
-    from pipelines.cluster import SCHEDULER_ENV, worker_environment
+    from pipelines.cluster import SCHEDULER_CONFIG, SCHEDULER_ENV, worker_environment
 
     env = dict(base)
+    if name == "dask-scheduler":
+        env.update({"DASK_" + key.upper().replace(".", "__").replace("-", "_"): str(value)
+                    for key, value in SCHEDULER_CONFIG.items()})
     if name == "dask-workers":
         env.update(worker_environment())  # JAX compile cache, quiet Prefect
     if name == "prefect-worker":  # inherited by every flow run this worker starts

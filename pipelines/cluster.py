@@ -58,6 +58,13 @@ def worker_environment() -> dict[str, str]:
     }
 
 
+# Work stealing would move a collect task from its busy collector worker to an idle one
+# (the learner's), where the collector's envs are not: new episodes, and a lock-step run
+# no longer reproducible. Stages are pinned with loose restrictions instead, so a task
+# moves only when its worker is gone. (`marl stack` starts its scheduler with this too.)
+SCHEDULER_CONFIG = {"distributed.scheduler.work-stealing": False}
+
+
 def make_cluster(n_workers: int = 2, kind: str = "auto", dashboard_address: str = f"{HOST}:8787",
                  threads_per_worker: int = 1, memory_limit: str | None = None):
     """A local cluster of the requested kind: "auto" (CUDA where GPUs are visible), "cpu", "gpu"."""
@@ -73,7 +80,7 @@ def make_cluster(n_workers: int = 2, kind: str = "auto", dashboard_address: str 
     # the nanny applies these before spawning, so they reach workers even when the
     # parent process imported jax first (LocalCluster(env=...) comes too late for that)
     with dask.config.set({"distributed.nanny.pre-spawn-environ": {
-            **dask.config.get("distributed.nanny.pre-spawn-environ", {}), **env}}):
+            **dask.config.get("distributed.nanny.pre-spawn-environ", {}), **env}, **SCHEDULER_CONFIG}):
         gpus = gpu_count() if kind != "cpu" else 0
         if kind == "gpu" and gpus == 0:
             raise RuntimeError("cluster kind 'gpu' asked for but no GPU is visible; use kind='auto' or 'cpu'")

@@ -33,6 +33,9 @@ class RunConfig:
     # independent seeds trained side by side (vmap): seed s gets envs [s*N, (s+1)*N) of
     # every region, and env steps count per seed
     n_seeds: int = 1
+    # K: collectors act with params at most K learner versions old (collect(i) uses version
+    # i - K); 0 is the lock-step schedule (collect, then train), reproducible bit for bit
+    max_policy_lag: int = 0
     max_wall_s: float = 0.0  # stop iterating after this many seconds (0: no limit)
     # fault injection, to exercise retries: collect tasks of these region ids ("3,5") raise
     # once, right after their region is committed
@@ -54,9 +57,9 @@ class RunConfig:
 
     @property
     def n_slots(self) -> int:
-        # at least one region per collector of the iteration, so a collect never overwrites
-        # a region that its own iteration wrote
-        return max(self.n_collectors, self.buffer_steps // self.steps_per_region)
+        # room for every region written before the learner reads it: those of the iteration
+        # it trains on and of the K after it, which may be collected meanwhile
+        return max(self.n_collectors * (self.max_policy_lag + 1), self.buffer_steps // self.steps_per_region)
 
     @property
     def store_path(self) -> str:
@@ -221,6 +224,9 @@ def make_run_config(preset: str, *, env_id: str | None = None, total_env_steps: 
                 "buffer_steps", "eval_every", "eval_episodes", "checkpoint_every"):
         if getattr(config, key) < 1:
             raise ConfigError(f"setting {key}={getattr(config, key)} must be >= 1")
+    if config.max_policy_lag < 0:
+        raise ConfigError(f"setting max_policy_lag={config.max_policy_lag} must be >= 0 "
+                          "(0: lock-step; K: collectors act with params up to K versions old)")
     algo_config = config.algo_config()  # checks the algorithm overrides
     seq_len = getattr(algo_config, "seq_len", None)
     if seq_len is not None and seq_len > config.steps_per_region:

@@ -1,29 +1,39 @@
-"""The stages: collect, train, evaluate. Plain functions of JSON-able arguments.
+"""The stages of the dataflow: collect, train, evaluate. Plain functions of JSON-able arguments.
 
-A test calls them directly; the flow submits the very same functions to Dask workers.
-Each worker keeps what is expensive to rebuild between calls, in this module's caches:
-a collector its compiled rollout and its envs' state (episodes continue across regions),
-the learner its train state and a device mirror of the replay ring. The caches are only
-an optimisation: the replay store and the checkpoints on disk are the truth, so a stage
-that lands on a fresh worker (a retry, a restart, a resumed run) rebuilds from them.
+    collect(config, collector, iteration, params, ...)   a region: T steps of N envs with the
+                                                         given policy params, written to the
+                                                         Zarr store and committed
+    train(config, iteration, ..., collected)             the learner picks up exactly the
+                                                         regions `collected` names, updates,
+                                                         and returns the next policy params
+    evaluate(config, params, iteration)                  greedy episodes on fresh envs
+
+A test calls them directly; `pipelines.dataflow` submits the very same functions to Dask
+workers and decides when each may run (the policy lag, the replay ratio). Each worker keeps
+what is expensive to rebuild between calls in one typed state object per role (a
+collector's compiled rollout and its envs mid-episode, the learner's train state and device
+mirror of the replay ring, an evaluator's compiled evaluation). The states are only an
+optimisation: the replay store and the checkpoints on disk are the truth, so a stage that
+lands on a fresh worker (a retry, a restart, a resumed run) rebuilds from them.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import threading
 import time
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from marl import algos, buffer, envs, rollout, seeds
+from marl.transition import store_fields
+from marl.learner import Learner
 from pipelines.config import RunConfig
 from storage import Checkpointer, Field, ReplayStore, StoreError
-
-_CACHE: dict = {}
-_LOCK = threading.Lock()
 
 
 def as_config(config) -> RunConfig:
@@ -36,23 +46,12 @@ def as_config(config) -> RunConfig:
 
 
 def replay_fields(spec: envs.EnvSpec, learner=None) -> dict[str, Field]:
-    """The replay schema of DESIGN.md for one env spec, plus what the learner's policy
-    records beside each transition (its `extra_fields`, e.g. a behaviour log-probability)."""
-    a, agent = spec.n_agents, ("agent",)
-    action = (Field((a,), "int32", agent) if spec.discrete
-              else Field((a, spec.action_dim), "float32", ("agent", "act_dim")))
-    fields = {
-        "obs": Field((a, spec.obs_dim), "float32", ("agent", "obs_dim")),
-        "state": Field((spec.state_dim,), "float32", ("state_dim",)),
-        "action": action,
-        "reward": Field((a,), "float32", agent),
-        "done": Field((), "bool", ()),
-        "won": Field((), "bool", ()),
-        "avail_actions": Field((a, spec.mask_width), "bool", ("agent", "n_actions")),
-    }
-    for name, (shape, dtype, dims) in (learner.extra_fields if learner else {}).items():
-        fields[name] = Field(tuple(shape), dtype, tuple(dims))
-    return fields
+    """The replay schema for one env spec: the fields of marl.transition.Transition plus what
+    the learner's policy records beside each transition (its `extra_fields`, e.g. a
+    behaviour log-probability), as storage Fields."""
+    extra = learner.extra_fields if learner else {}
+    return {name: Field(shape, dtype, dims)
+            for name, (shape, dtype, dims) in store_fields(spec, extra).items()}
 
 
 def open_store(config: RunConfig, spec: envs.EnvSpec, create: bool = False,
@@ -88,40 +87,99 @@ def prepare_run(config) -> dict:
         checkpoints.close()
 
 
-def _context(kind: str, config: RunConfig, *extra):
-    """The per-worker cache entry for this run (rebuilt when the config changes)."""
-    key = (kind, os.path.abspath(config.run_dir), *extra)
-    with _LOCK:
-        ctx = _CACHE.get(key)
-        if ctx is None or ctx["config_json"] != config.to_json():
-            env = envs.make(config.env_id, **config.env_kwargs)
-            single = algos.make_learner(config.algo, env.spec, config.algo_config())
-            ctx = {"config_json": config.to_json(), "env": env, "single_seed": single,
-                   "learner": seeds.vmap_seeds(single, config.n_seeds)}
-            _CACHE[key] = ctx
-        return ctx
-
-
 def env_backend(config) -> str:
     """"jax" or "numpy": where the run's collectors may go (numpy envs: CPU workers only)."""
     config = as_config(config)
     return "numpy" if config.env_id.startswith("pz:") else "jax"
 
 
+# ------------------------------------------------------------- per-worker state
+
+
+@dataclasses.dataclass
+class RunParts:
+    """What every role builds from the config: the env, the learner, its seeds wrapper."""
+
+    config: RunConfig
+    env: Any
+    single_seed: Learner  # one seed's learner (evaluation plays each seed on its own)
+    learner: Learner  # all seeds, vmapped
+
+    @classmethod
+    def build(cls, config: RunConfig) -> "RunParts":
+        env = envs.make(config.env_id, **config.env_kwargs)
+        single = algos.make_learner(config.algo, env.spec, config.algo_config())
+        return cls(config, env, single, seeds.vmap_seeds(single, config.n_seeds))
+
+
+@dataclasses.dataclass
+class CollectorState:
+    """One collector's compiled rollout and its envs mid-episode (episodes run on across
+    regions); `next_iteration` is the iteration its envs' state is ready for."""
+
+    parts: RunParts
+    store: ReplayStore
+    init: Any
+    collect: Any
+    rollout_state: Any = None
+    next_iteration: int = -1
+
+
+@dataclasses.dataclass
+class LearnerState:
+    """The learner's train state and the device mirror of the replay ring it samples from."""
+
+    parts: RunParts
+    store: ReplayStore
+    checkpoints: Checkpointer
+    train_state: Any
+    meta: dict  # iteration, env_steps, param_version, updates of `train_state`
+    arrays: dict  # the ring mirror, [slot, T, N, ...] per field
+    valid: Any  # [slot] bool
+    mirrored: dict  # mirror slot -> region id it holds
+
+
+@dataclasses.dataclass
+class EvaluatorState:
+    parts: RunParts
+    evaluate: Any
+
+
+_STATES: dict = {}  # (role, abs run dir, *id) -> one of the states above
+_LOCK = threading.Lock()
+
+
+def _state(role: str, config: RunConfig, build, *ident):
+    """This worker's state for one role of one run, built on first use and again whenever
+    the run's config changes."""
+    key = (role, os.path.abspath(config.run_dir), *ident)
+    with _LOCK:
+        state = _STATES.get(key)
+        if state is None or state.parts.config != config:
+            state = build(RunParts.build(config))
+            _STATES[key] = state
+        return state
+
+
+def _drop_state(role: str, config: RunConfig, *ident):
+    with _LOCK:
+        _STATES.pop((role, os.path.abspath(config.run_dir), *ident), None)
+
+
 def clear_caches():
     with _LOCK:
-        _CACHE.clear()
+        _STATES.clear()
 
 
 def forget_run(run_dir: str) -> int:
-    """Drops this worker's cache entries of one run (its envs, learner, compiled steps), so
+    """Drops this worker's states of one run (its envs, learner, compiled steps), so
     long-lived workers (`marl stack`) do not keep every finished run in memory; returns how
-    many entries went. A later task of the same run just rebuilds them."""
+    many went. A later task of the same run just rebuilds them."""
     run_dir = os.path.abspath(run_dir)
     with _LOCK:
-        keys = [k for k in _CACHE if k[1] == run_dir]
+        keys = [k for k in _STATES if k[1] == run_dir]
         for k in keys:
-            del _CACHE[k]
+            del _STATES[k]
     return len(keys)
 
 
@@ -137,38 +195,48 @@ def _scalars(tree) -> dict:
 # ----------------------------------------------------------------------- collect
 
 
+def _new_collector(config: RunConfig, parts: RunParts) -> CollectorState:
+    env, learner = parts.env, parts.learner
+    make = rollout.make_collector if env.spec.backend == "jax" else rollout.make_numpy_collector
+    init, collect_fn = make(env, learner.act, learner.init_carry, config.envs_per_region,
+                            config.steps_per_region)
+    return CollectorState(parts, open_store(config, env.spec), init, collect_fn)
+
+
 def collect(config, collector: int, iteration: int, params, param_version: int,
             env_steps: int) -> dict:
-    """One region: T steps of N envs with the given policy params, written to the store.
+    """Region `iteration * n_collectors + collector`: T steps of N envs acting with the
+    policy `params` (of learner version `param_version`), written to its ring slot and
+    committed. A retried task rewrites exactly its own region, with the same bytes: the
+    envs' state advances only once the region is committed.
 
-    The region id is a function of (iteration, collector), so a retried task rewrites
-    exactly its own region. The envs' state advances only once the region is committed.
+    Returns the region's episode stats and where the time went (rollout, host copy, Zarr
+    write and commit).
     """
     config = as_config(config)
-    ctx = _context("collect", config, collector)
-    env, learner = ctx["env"], ctx["learner"]
-    if "collect" not in ctx:
-        make = rollout.make_collector if env.spec.backend == "jax" else rollout.make_numpy_collector
-        ctx["init"], ctx["collect"] = make(env, learner.act, learner.init_carry,
-                                           config.envs_per_region, config.steps_per_region)
-    if "rollout_state" not in ctx:
+    state = _state("collect", config, lambda parts: _new_collector(config, parts), collector)
+    if state.next_iteration != iteration:
+        # a fresh worker or a resumed run: start new episodes (the store marks them `first`) from a key of this iteration
         key = jax.random.fold_in(jax.random.fold_in(jax.random.PRNGKey(config.seed), collector), iteration)
-        ctx["rollout_state"] = ctx["init"](key)
-    if "store" not in ctx:
-        ctx["store"] = open_store(config, env.spec)
+        state.rollout_state = state.init(key)
     region_id = iteration * config.n_collectors + collector
     started = time.perf_counter()
-    rstate, data, stats = ctx["collect"](params, ctx["rollout_state"],
-                                         learner.exploration(jnp.float32(env_steps)))
+    explore = state.parts.learner.exploration(jnp.float32(env_steps))
+    rstate, data, stats = state.collect(params, state.rollout_state, explore)
+    jax.block_until_ready(data)
+    rolled = time.perf_counter()
     data = _to_numpy(data)
-    rollout_s = time.perf_counter() - started
-    ctx["store"].write_region(region_id, data, iteration=iteration, collector=collector,
-                              param_version=param_version)
+    copied = time.perf_counter()
+    state.store.write_region(region_id, data, iteration=iteration, collector=collector,
+                             param_version=param_version)
+    written = time.perf_counter()
     _maybe_fail(config, region_id)
-    ctx["rollout_state"] = rstate
-    return {**_scalars(stats), "region": region_id, "collector": collector,
-            "steps": config.envs_per_region * config.steps_per_region,
-            "rollout_s": rollout_s, "collect_s": time.perf_counter() - started}
+    state.rollout_state, state.next_iteration = rstate, iteration + 1
+    return {**_scalars(stats), "region": region_id, "collector": collector, "iteration": iteration,
+            "param_version": param_version,
+            "steps": config.envs_per_collector * config.steps_per_region,
+            "rollout_s": rolled - started, "host_copy_s": copied - rolled,
+            "write_s": written - copied, "collect_s": written - started}
 
 
 def _maybe_fail(config: RunConfig, region_id: int):
@@ -186,143 +254,157 @@ def _maybe_fail(config: RunConfig, region_id: int):
 # ------------------------------------------------------------------------- train
 
 
-def _learner_state(config: RunConfig, ctx: dict) -> dict:
-    """The cached learner, or one rebuilt from the latest checkpoint, or a fresh one."""
-    if "train_state" in ctx:
-        return ctx
-    learner, spec = ctx["learner"], ctx["env"].spec
-    fresh = learner.init(jax.random.PRNGKey(config.seed))
+def _new_learner(config: RunConfig, parts: RunParts) -> LearnerState:
+    """A learner from the latest checkpoint, or a fresh one, with an empty ring mirror."""
+    learner, spec = parts.learner, parts.env.spec
+    train_state = learner.init(jax.random.PRNGKey(config.seed))
     checkpoints = Checkpointer(config.checkpoint_dir)
-    ctx["checkpoints"] = checkpoints
-    ctx["meta"] = {"iteration": 0, "env_steps": 0, "param_version": 0}
+    meta = {"iteration": 0, "env_steps": 0, "param_version": 0, "updates": 0}
     if checkpoints.latest_step() is not None:
-        target = jax.tree.map(np.asarray, fresh)
-        state, meta = checkpoints.restore(target=target)
-        fresh = jax.tree.map(jnp.asarray, state)
-        ctx["meta"] = meta
-    ctx["train_state"] = fresh
+        restored, meta = checkpoints.restore(target=_to_numpy(train_state))
+        train_state = jax.tree.map(jnp.asarray, restored)
     fields = {name: (f.shape, f.dtype) for name, f in replay_fields(spec, learner).items()}
     # an on-policy learner's mirror holds just one iteration's regions
     n_slots = config.n_collectors if learner.on_policy else config.n_slots
-    ctx["arrays"], ctx["valid"] = buffer.empty(fields, n_slots, config.steps_per_region,
-                                               config.envs_per_region)
-    ctx["mirrored"] = {}  # slot -> region id held in the device mirror
-    ctx["store"] = open_store(config, spec)
-    return ctx
+    arrays, valid = buffer.empty(fields, n_slots, config.steps_per_region, config.envs_per_region)
+    return LearnerState(parts, open_store(config, spec), checkpoints, train_state, dict(meta),
+                        arrays, valid, {})
 
 
-def _sync_mirror(ctx: dict, expected: list[int]) -> int:
-    """Copies regions into the device mirror; returns how many.
+def _learner(config: RunConfig, iteration: int | None = None) -> LearnerState:
+    """This worker's learner; rebuilt from the checkpoint when it is not at `iteration`
+    (a flow restarted on this cluster resumes from its checkpoint, not from whatever later
+    state this worker still holds)."""
+    build = lambda parts: _new_learner(config, parts)
+    state = _state("train", config, build)
+    if iteration is not None and state.meta["iteration"] != iteration:
+        _drop_state("train", config)
+        state = _state("train", config, build)
+    return state
 
-    A fresh mirror scans the whole store once (a resumed run keeps its replay); after that
-    only the `expected` regions, which this iteration's collect tasks committed, are read:
-    listing every slot's commit each iteration costs ~1 s on a 64-slot ring.
+
+def _mirror(state: LearnerState, config: RunConfig, iteration: int, region_ids: list[int]) -> int:
+    """Copies regions from the store into the device mirror; returns how many it copied.
+
+    An empty mirror first takes every committed region up to this iteration's (a resumed
+    run keeps its replay; later regions belong to later train calls), then only the regions
+    the collect tasks of each iteration committed.
     """
-    store, new = ctx["store"], 0
-    if not ctx["mirrored"]:
-        candidates = store.committed()
+    store, new = state.store, 0
+    if not state.mirrored and not state.parts.learner.on_policy:
+        limit = (iteration + 1) * config.n_collectors
+        candidates = [(r, s) for r, s in store.committed() if r < limit]
     else:
-        candidates = [(r, store.slot_of(r)) for r in expected]
-    for region_id, slot in candidates:
-        if ctx["mirrored"].get(slot) == region_id:
+        candidates = [(r, store.slot_of(r)) for r in region_ids]
+    for region_id, store_slot in candidates:
+        slot = region_ids.index(region_id) if state.parts.learner.on_policy else store_slot
+        if state.mirrored.get(slot) == region_id:
             continue
         try:
             region = store.read_region(region_id)
-        except StoreError:  # overwritten by the ring between listing and reading
-            continue
-        ctx["arrays"], ctx["valid"] = buffer.insert(ctx["arrays"], ctx["valid"], slot, region)
-        ctx["mirrored"][slot] = region_id
+        except StoreError:
+            if region_id in region_ids:
+                raise  # a region this call must train on is gone: the ring is too small
+            continue  # an old region overwritten by the ring between listing and reading
+        state.arrays, state.valid = buffer.insert(state.arrays, state.valid, slot, region)
+        state.mirrored[slot] = region_id
         new += 1
     return new
 
 
-def train(config, iteration: int, env_steps: int, checkpoint: bool = False) -> dict:
-    """Updates the learner on the replay ring; returns new policy params and metrics.
+def train(config, iteration: int, env_steps: int, checkpoint: bool, collected: list[dict],
+          previous: dict | None = None) -> dict:
+    """The learner's step of the dataflow: picks up the regions that `collected` (the
+    iteration's collect results) name, updates, and returns the next policy params.
+    `previous` (the last train call's metrics) is unused here: passing it makes Dask run the
+    calls of one learner in order.
 
-    Mirrors newly committed regions, runs `updates_per_region` updates per region that
-    this iteration collected once `learning_starts` env steps are stored, and checkpoints
-    when asked.
+    Off-policy learners add the regions to their ring mirror and run `updates_per_region`
+    updates per region (once `learning_starts` env steps are stored), sampling windows from
+    the whole ring; on-policy learners train once on exactly these regions. Each region's
+    policy lag (the learner's version now minus the version that collected it) is returned
+    and recorded in the store. Checkpoints when asked.
     """
     config = as_config(config)
-    ctx = _context("train", config)
-    if "train_state" in ctx and ctx["meta"]["iteration"] != iteration:
-        # a flow restarted on this cluster resumes from its checkpoint, not from whatever
-        # later state this worker still holds
-        for key in ("train_state", "meta", "mirrored", "arrays", "valid"):
-            ctx.pop(key, None)
-    ctx = _learner_state(config, ctx)
-    learner = ctx["learner"]
+    state = _learner(config, iteration)
+    learner = state.parts.learner
     started = time.perf_counter()
-    if learner.on_policy:
-        return _train_on_policy(config, ctx, iteration, env_steps, checkpoint, started)
-    _sync_mirror(ctx, [iteration * config.n_collectors + c for c in range(config.n_collectors)])
-    stored_env_steps = len(ctx["mirrored"]) * config.steps_per_region * config.envs_per_collector
+    version = state.meta["param_version"]
+    region_ids = [int(c["region"]) for c in collected]
+    _mirror(state, config, iteration, region_ids)
+    read = time.perf_counter()
     metrics = {}
-    # updates follow the data this iteration collected: a learner rebuilt on resume mirrors
-    # the whole store at once, but must not replay updates for regions already trained on
-    this_iteration = sum(1 for r in ctx["mirrored"].values() if r // config.n_collectors == iteration)
-    n_updates = this_iteration * learner.config.updates_per_region
-    if n_updates and stored_env_steps >= learner.config.learning_starts:
-        ctx["train_state"], m = learner.train(ctx["train_state"], ctx["arrays"], ctx["valid"], n_updates)
+    if learner.on_policy:
+        n_updates = len(region_ids)
+    else:
+        stored_env_steps = len(state.mirrored) * config.steps_per_region * config.envs_per_collector
+        n_updates = len(region_ids) * learner.config.updates_per_region
+        if stored_env_steps < learner.config.learning_starts:
+            n_updates = 0
+    if n_updates:
+        state.train_state, m = learner.train(state.train_state, state.arrays, state.valid, n_updates)
         metrics = _scalars(m)
-    return _finish_train(ctx, iteration, env_steps, checkpoint, metrics, n_updates, started)
-
-
-def _train_on_policy(config: RunConfig, ctx: dict, iteration: int, env_steps: int,
-                     checkpoint: bool, started: float) -> dict:
-    """Reads exactly the regions this iteration's collect tasks wrote and trains on them once."""
-    store, learner = ctx["store"], ctx["learner"]
-    for c in range(config.n_collectors):
-        region = store.read_region(iteration * config.n_collectors + c)
-        ctx["arrays"], ctx["valid"] = buffer.insert(ctx["arrays"], ctx["valid"], c, region)
-    ctx["train_state"], m = learner.train(ctx["train_state"], ctx["arrays"], ctx["valid"],
-                                          config.n_collectors)
-    return _finish_train(ctx, iteration, env_steps, checkpoint, _scalars(m),
-                         int(config.n_collectors), started)
-
-
-def _finish_train(ctx: dict, iteration: int, env_steps: int, checkpoint: bool, metrics: dict,
-                  n_updates: int, started: float) -> dict:
-    learner = ctx["learner"]
-    version = iteration + 1
-    ctx["meta"] = {"iteration": iteration + 1, "env_steps": int(env_steps), "param_version": version,
-                   "updates": int(np.max(ctx["train_state"]["updates"]))}  # per seed
+    jax.block_until_ready(state.train_state)
+    updated = time.perf_counter()
+    lags = [version - int(c["param_version"]) for c in collected]
+    for region_id in region_ids:
+        state.store.mark_trained(region_id, version)
+    state.meta = {"iteration": iteration + 1, "env_steps": int(env_steps), "param_version": version + 1,
+                  "updates": int(np.max(state.train_state["updates"]))}  # per seed
+    params = _to_numpy(learner.policy_params(state.train_state))
+    published = time.perf_counter()
     if checkpoint:
-        ctx["checkpoints"].save(iteration + 1, _to_numpy(ctx["train_state"]), ctx["meta"])
-    return {"params": _to_numpy(learner.policy_params(ctx["train_state"])),
-            "param_version": version,
-            "metrics": {**metrics, "updates": n_updates, "train_s": time.perf_counter() - started,
-                        "total_updates": ctx["meta"]["updates"]}}
+        state.checkpoints.save(iteration + 1, _to_numpy(state.train_state), state.meta)
+    return {"params": params, "param_version": version + 1,
+            "metrics": {**metrics, "updates": n_updates, "total_updates": state.meta["updates"],
+                        "collected": collected, "lags": lags, "read_s": read - started, "update_s": updated - read,
+                        "publish_s": published - updated, "checkpoint_s": time.perf_counter() - published,
+                        "train_s": time.perf_counter() - started}}
 
 
-def initial_params(config) -> dict:
-    """Policy params before any update: the latest checkpoint's, else a fresh init's."""
+def policy_params(config) -> dict:
+    """The learner's policy params as they stand (on a fresh worker: the latest
+    checkpoint's, else a new init's)."""
     config = as_config(config)
-    ctx = _learner_state(config, _context("train", config))
-    return _to_numpy(ctx["learner"].policy_params(ctx["train_state"]))
+    state = _learner(config)
+    return _to_numpy(state.parts.learner.policy_params(state.train_state))
+
+
+def save_checkpoint(config) -> int:
+    """Checkpoints the learner as it stands (a run stopped by its wall-time limit); returns
+    the iteration saved."""
+    config = as_config(config)
+    state = _learner(config)
+    step = state.meta["iteration"]
+    if step and state.checkpoints.latest_step() != step:
+        state.checkpoints.save(step, _to_numpy(state.train_state), state.meta)
+    return step
 
 
 # ---------------------------------------------------------------------- evaluate
+
+
+def _new_evaluator(config: RunConfig, parts: RunParts) -> EvaluatorState:
+    learner, env = parts.single_seed, parts.env
+    make = rollout.make_evaluator if env.spec.backend == "jax" else rollout.make_numpy_evaluator
+    return EvaluatorState(parts, make(env, learner.act, learner.init_carry, config.eval_episodes,
+                                      learner.greedy))
 
 
 def evaluate(config, params, iteration: int) -> dict:
     """Greedy play of `eval_episodes` fresh episodes per seed: win rate, return and length
     (with several seeds: their mean, plus `<metric>_std` and `<metric>_per_seed`)."""
     config = as_config(config)
-    ctx = _context("evaluate", config)
-    if "evaluate" not in ctx:
-        learner, env = ctx["single_seed"], ctx["env"]
-        make = rollout.make_evaluator if env.spec.backend == "jax" else rollout.make_numpy_evaluator
-        ctx["evaluate"] = make(env, learner.act, learner.init_carry, config.eval_episodes,
-                               learner.greedy)
+    state = _state("evaluate", config, lambda parts: _new_evaluator(config, parts))
+    started = time.perf_counter()
     key = jax.random.fold_in(jax.random.PRNGKey(config.seed + 10_000), iteration)
     if config.n_seeds == 1:
-        return _scalars(ctx["evaluate"](params, key))
-    runs = [_scalars(ctx["evaluate"](jax.tree.map(lambda p: p[s], params), jax.random.fold_in(key, s)))
+        return {**_scalars(state.evaluate(params, key)), "evaluate_s": time.perf_counter() - started}
+    runs = [_scalars(state.evaluate(jax.tree.map(lambda p: p[s], params), jax.random.fold_in(key, s)))
             for s in range(config.n_seeds)]
     out = {}
     for name in runs[0]:
         values = np.array([r[name] for r in runs])
         out.update({name: float(values.mean()), f"{name}_std": float(values.std()),
                     f"{name}_per_seed": values.tolist()})
-    return out
+    return {**out, "evaluate_s": time.perf_counter() - started}

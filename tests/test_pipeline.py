@@ -20,13 +20,14 @@ def test_stages_run_as_plain_functions(tmp_path):
                              overrides={"learning_starts": "1"})
     cfg = config.to_dict()
     assert stages.prepare_run(cfg) == {"iteration": 0, "env_steps": 0, "param_version": 0}
-    params = stages.initial_params(cfg)
+    params = stages.policy_params(cfg)
     for iteration in range(2):
         stats = stages.collect(cfg, 0, iteration, params, iteration, iteration * 256)
         assert stats["region"] == iteration and stats["steps"] == 256
-        out = stages.train(cfg, iteration, (iteration + 1) * 256, checkpoint=iteration == 1)
+        out = stages.train(cfg, iteration, (iteration + 1) * 256, iteration == 1, [stats])
         params = out["params"]
         assert out["metrics"]["updates"] == config.algo_config().updates_per_region
+        assert out["metrics"]["lags"] == [0] and out["param_version"] == iteration + 1
     ev = stages.evaluate(cfg, params, 1)
     assert ev["episodes"] == config.eval_episodes
     ds = open_replay(config.store_path)
@@ -86,7 +87,7 @@ def test_workers_forget_a_finished_run(first_run, dask_cluster):
     run_dir, _ = first_run
     run_dir = os.path.abspath(run_dir)
     with Client(dask_cluster.scheduler_address) as client:
-        keys = client.run(lambda: [k[1] for k in stages._CACHE])
+        keys = client.run(lambda: [k[1] for k in stages._STATES])
     assert keys and all(run_dir not in held for held in keys.values())
 
 

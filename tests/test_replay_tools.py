@@ -31,13 +31,13 @@ def run(tmp_path_factory):
                              overrides={"learning_starts": str(10**9)})
     cfg = config.to_dict()
     stages.prepare_run(cfg)
-    params = stages.initial_params(cfg)
+    params = stages.policy_params(cfg)
     stats = {}
     for iteration in range(ITERATIONS):
-        for c in range(COLLECTORS):
-            s = stages.collect(cfg, c, iteration, params, iteration, iteration * 512)
-            stats[s["region"]] = s
-        params = stages.train(cfg, iteration, (iteration + 1) * 512, checkpoint=True)["params"]
+        collected = [stages.collect(cfg, c, iteration, params, iteration, iteration * 512)
+                     for c in range(COLLECTORS)]
+        stats.update({s["region"]: s for s in collected})
+        params = stages.train(cfg, iteration, (iteration + 1) * 512, True, collected)["params"]
     stages.clear_caches()
     return run_dir, stats
 

@@ -1,0 +1,223 @@
+"""The dataflow against a plain loop: QMIX smax:3m, MAPPO and MADDPG mpe:simple_spread at
+their presets' settings, the same env-step budget, side by side in one run.
+
+    plain     the same learner code in one process: jitted collect, then update, then
+              (on the preset's cadence) evaluate; no Dask, no Zarr
+    K=k C=c   `marl train` (Prefect flow, LocalCluster of c + 1 single-threaded workers:
+              the learner's and one per collector) with max_policy_lag k and c collectors
+
+Throughput is steady state: env steps and updates after the first iteration (which
+compiles) over the wall time since it. The final score is the last greedy evaluation at
+the same env steps (test win rate for SMAX, test return for MPE).
+
+    python bench/dataflow.py [--algos qmix mappo maddpg] [--seeds 0 1 2]
+                             [--settings plain K=0,C=1 K=1,C=1 ...] [--env-steps qmix=100000 ...]
+
+Writes bench/results/dataflow.{json,md,png}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import report  # noqa: E402  (bench/report.py)
+
+PRESETS = {"qmix": "qmix-smac", "mappo": "mappo-mpe", "maddpg": "maddpg-mpe"}
+BUDGET = {"qmix": 100_000, "mappo": 327_680, "maddpg": 96_000}  # env steps per run
+SETTINGS = ["plain", "K=0,C=1", "K=1,C=1", "K=2,C=1", "K=1,C=2", "K=2,C=2"]
+PARTS = ("rollout_s", "host_copy_s", "write_s", "read_s", "update_s", "publish_s", "checkpoint_s")
+
+
+def plain_loop(preset: str, env_steps: int, seed: int) -> dict:
+    """The preset's learner in one process: collect, update, evaluate, no Dask, no Zarr."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from marl import algos, buffer, envs, rollout
+    from pipelines.config import make_run_config
+    from pipelines.stages import replay_fields
+
+    config = make_run_config(preset, total_env_steps=env_steps, seed=seed)
+    env = envs.make(config.env_id, **config.env_kwargs)
+    learner = algos.make_learner(config.algo, env.spec, config.algo_config())
+    init, collect = rollout.make_collector(env, learner.act, learner.init_carry,
+                                           config.envs_per_region, config.steps_per_region)
+    evaluate = rollout.make_evaluator(env, learner.act, learner.init_carry, config.eval_episodes,
+                                      learner.greedy)
+    fields = {n: (f.shape, f.dtype) for n, f in replay_fields(env.spec, learner).items()}
+    n_slots = config.n_collectors if learner.on_policy else config.n_slots
+    arrays, valid = buffer.empty(fields, n_slots, config.steps_per_region, config.envs_per_region)
+    state = learner.init(jax.random.PRNGKey(seed))
+    rstate = init(jax.random.fold_in(jax.random.PRNGKey(seed), 0))
+    rows, began = [], time.perf_counter()
+    for i in range(config.n_iterations):
+        env_steps_done = i * config.steps_per_iteration
+        rstate, data, stats = collect(learner.policy_params(state), rstate,
+                                      learner.exploration(jnp.float32(env_steps_done)))
+        slot = 0 if learner.on_policy else i % n_slots
+        arrays, valid = buffer.insert(arrays, valid, slot, data)
+        stored = int(valid.sum()) * config.steps_per_region * config.envs_per_collector
+        if learner.on_policy:
+            n_updates = 1
+        else:
+            n_updates = learner.config.updates_per_region
+            if stored < learner.config.learning_starts:
+                n_updates = 0
+        if n_updates:
+            state, _ = learner.train(state, arrays, valid, n_updates)
+        row = {"env_steps": env_steps_done + config.steps_per_iteration,
+               "total_updates": int(np.max(state["updates"]))}
+        if i == config.n_iterations - 1 or (i + 1) % config.eval_every == 0:
+            key = jax.random.fold_in(jax.random.PRNGKey(config.seed + 10_000), i)
+            ev = evaluate(learner.policy_params(state), key)
+            row.update(test_win_rate=float(ev["win_rate"]), test_return=float(ev["return_mean"]))
+        jax.block_until_ready(state)
+        row["wall_s"] = time.perf_counter() - began
+        rows.append(row)
+    return {"rows": rows}
+
+
+def pipeline(preset: str, env_steps: int, seed: int, lag: int, collectors: int, run_dir: str) -> dict:
+    from flows import train as train_flow
+
+    shutil.rmtree(run_dir, ignore_errors=True)
+    rows, began = [], time.perf_counter()
+
+    def record(row):
+        rows.append({**row, "wall_s": time.perf_counter() - began})
+
+    train_flow.ITERATION_HOOKS.append(record)
+    try:
+        result = train_flow.marl_train(preset=preset, env_steps=env_steps, seed=seed, run_dir=run_dir,
+                                       collectors=collectors, n_workers=collectors + 1,
+                                       overrides={"max_policy_lag": str(lag)})
+    finally:
+        train_flow.ITERATION_HOOKS.remove(record)
+    return {"rows": rows, "dataflow": result["dataflow"]}
+
+
+def steady(rows: list[dict]) -> dict:
+    """Env steps/s and updates/s after the first iteration; the last evaluation's scores."""
+    first, last = rows[0], rows[-1]
+    wall = max(last["wall_s"] - first["wall_s"], 1e-9)
+    evaluated = [r for r in rows if "test_return" in r]
+    final = evaluated[-1] if evaluated else {}
+    return {"env_steps": last["env_steps"], "wall_s": last["wall_s"],
+            "env_steps_per_s": (last["env_steps"] - first["env_steps"]) / wall,
+            "updates_per_s": (last["total_updates"] - first["total_updates"]) / wall,
+            "test_win_rate": final.get("test_win_rate"), "test_return": final.get("test_return")}
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--algos", nargs="+", default=list(PRESETS), choices=list(PRESETS))
+    parser.add_argument("--settings", nargs="+", default=SETTINGS)
+    parser.add_argument("--seeds", nargs="+", type=int, default=[0])
+    parser.add_argument("--env-steps", nargs="*", default=[], help="algo=steps, e.g. qmix=200000")
+    parser.add_argument("--run-root", default="runs/bench-dataflow")
+    parser.add_argument("--results-name", default="dataflow")
+    args = parser.parse_args()
+    budget = {**BUDGET, **{k: int(v) for k, v in (kv.split("=") for kv in args.env_steps)}}
+
+    os.environ.setdefault("PREFECT_HOME", os.path.abspath(".prefect"))
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "90")
+    os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
+
+    results = []
+    for algo in args.algos:
+        preset = PRESETS[algo]
+        for setting in args.settings:
+            for seed in args.seeds:
+                started = time.perf_counter()
+                if setting == "plain":
+                    out = plain_loop(preset, budget[algo], seed)
+                else:
+                    lag, collectors = (int(part.split("=")[1]) for part in setting.split(","))
+                    out = pipeline(preset, budget[algo], seed, lag, collectors,
+                                   os.path.join(args.run_root, f"{algo}-{setting}-{seed}".replace(",", "-")))
+                results.append({"algo": algo, "setting": setting, "seed": seed, **steady(out["rows"]),
+                                "dataflow": out.get("dataflow"), "rows": out["rows"],
+                                "total_wall_s": time.perf_counter() - started})
+                r = results[-1]
+                print(f"[{algo} {setting} seed {seed}] {r['env_steps_per_s']:,.0f} env steps/s, "
+                      f"{r['updates_per_s']:,.1f} updates/s, test return {r['test_return']}", flush=True)
+
+    rows = []
+    for algo in args.algos:
+        mine = [r for r in results if r["algo"] == algo]
+        plain = _mean(r["env_steps_per_s"] for r in mine if r["setting"] == "plain")
+        k0 = _mean(r["env_steps_per_s"] for r in mine if r["setting"] == "K=0,C=1")
+        for setting in args.settings:
+            runs = [r for r in mine if r["setting"] == setting]
+            if not runs:
+                continue
+            sps = _mean(r["env_steps_per_s"] for r in runs)
+            flows = [r["dataflow"] for r in runs if r["dataflow"]]
+            busy = lambda k: f"{_mean(f[k] for f in flows):.2f}" if flows else "-"
+            score = "win" if algo == "qmix" else "return"
+            values = [r[f"test_{score}_rate" if algo == "qmix" else "test_return"] for r in runs]
+            lags = {}
+            for f in flows:
+                for lag, n in f["policy_lag_histogram"].items():
+                    lags[lag] = lags.get(lag, 0) + n
+            rows.append([algo, setting, f"{runs[0]['env_steps']:,}", f"{sps:,.0f}",
+                         f"{_mean(r['updates_per_s'] for r in runs):,.1f}",
+                         f"{sps / plain:.2f}" if plain else "-", f"{sps / k0:.2f}" if k0 else "-",
+                         busy("learner_busy"), busy("collector_busy"),
+                         " ".join(f"{k}:{v}" for k, v in sorted(lags.items(), key=lambda kv: int(kv[0]))) or "-",
+                         _fmt_scores(score, values)])
+    plt = report.save(
+        args.results_name, {"budget": budget, "results": results},
+        ["algo", "setting", "env steps", "env steps/s", "updates/s", "x plain", "x K=0",
+         "learner busy", "collectors busy", "policy lag (regions)", "final score (seeds)"],
+        ["---", "---", "---:", "---:", "---:", "---:", "---:", "---:", "---:", "---", "---"], rows)
+
+    print("\nwhere the pipeline's time went (seconds, summed over the run):")
+    for r in results:
+        if r["dataflow"]:
+            parts = r["dataflow"]["breakdown_s"]
+            waiting = r["dataflow"]["wall_s"] * (1 - r["dataflow"]["learner_busy"])
+            print(f"  {r['algo']:<6} {r['setting']:<8} seed {r['seed']}: "
+                  + ", ".join(f"{p[:-2]} {parts.get(p, 0):.1f}" for p in PARTS)
+                  + f", evaluate {r['dataflow']['evaluate_s']:.1f}, learner waiting {waiting:.1f}"
+                  + f" of {r['dataflow']['wall_s']:.1f}")
+
+    fig, axes = plt.subplots(1, len(args.algos), figsize=(5 * len(args.algos), 3.8), squeeze=False)
+    for ax, algo in zip(axes[0], args.algos):
+        settings = [s for s in args.settings if any(r["algo"] == algo and r["setting"] == s for r in results)]
+        values = [_mean(r["env_steps_per_s"] for r in results if r["algo"] == algo and r["setting"] == s)
+                  for s in settings]
+        ax.bar(settings, values, color=["gray"] + ["tab:blue"] * (len(settings) - 1))
+        ax.set_title(f"{algo} ({PRESETS[algo]})")
+        ax.set_ylabel("env steps/s (steady state), 2-core CPU")
+        ax.tick_params(axis="x", rotation=30)
+    fig.tight_layout()
+    fig.savefig(report.figure_path(args.results_name), dpi=120)
+
+
+def _fmt_scores(kind: str, values: list) -> str:
+    values = [v for v in values if v is not None]
+    if not values:
+        return "-"
+    import numpy as np
+
+    spread = f" +- {np.std(values):.3f}" if len(values) > 1 else ""
+    return f"{kind} {np.mean(values):.3f}{spread} (n={len(values)})"
+
+
+def _mean(values) -> float:
+    values = list(values)
+    return sum(values) / len(values) if values else 0.0
+
+
+if __name__ == "__main__":
+    main()

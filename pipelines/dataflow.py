@@ -1,0 +1,249 @@
+"""The dataflow of a training run on a Dask cluster: collectors keep collecting while the
+learner trains, evaluation runs beside both, and the policy lag stays bounded.
+
+Iteration i is C regions (one per collector, region id i*C + c) and one train call on
+exactly those regions, which turns learner version i into version i+1. Everything is a
+Dask future, and each task names what it needs, so Dask starts it the moment its inputs
+exist and the driver never sits on the critical path:
+
+    collect(i, c)   acts with params of version max(start, i - K)  (K = max_policy_lag)
+    train(i)        needs collect(i, 0..C-1) and train(i-1) (one learner, in order)
+    evaluate(i)     needs the params of version i+1, on a worker beside the learner
+
+So the learner waits when it is ahead (train(i) waits for its regions), collectors wait
+when they are more than K versions ahead (collect(i) waits for version i-K), and an
+off-policy learner's updates per env step stay exactly its configured ratio, whatever the
+speeds: Reverb's rate limiter, built from the DAG itself. K = 0 is the lock-step schedule,
+reproducible bit for bit; K >= 1 overlaps collect(i) with train(i-1). Params travel as
+futures from the learner's worker to each collector's worker, once per version.
+
+The driver keeps K + 2 iterations submitted ahead of the learner, reads each train's
+metrics as it completes, and emits one row per iteration in order (waiting for an
+iteration's evaluation only to emit its row, never to submit more work).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import operator
+import time
+from typing import Callable
+
+from distributed import Client, Future, as_completed
+
+from pipelines import cluster as clusters
+from pipelines import stages
+from pipelines.config import RunConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class Placement:
+    """Which worker runs what."""
+
+    learner: str
+    collectors: tuple[str, ...]  # one per collector stream
+    evaluator: str
+
+    @classmethod
+    def on(cls, client: Client, config: RunConfig) -> "Placement":
+        """The learner on a GPU worker where there is one; collectors on the other workers
+        (numpy envs on CPU workers), round-robin; evaluation on a worker no collector uses
+        where there is one, else beside the last collector, never on the learner's."""
+        where = clusters.placement(client, env_backend=stages.env_backend(config))
+        learner = where["learner"]
+        others = [w for w in where["collectors"] if w != learner] or [learner]
+        collectors = tuple(others[c % len(others)] for c in range(config.n_collectors))
+        spare = [w for w in others if w not in collectors]
+        return cls(learner, collectors, spare[0] if spare else collectors[-1])
+
+
+@dataclasses.dataclass
+class _Iteration:
+    index: int
+    metrics: Future  # the train call's metrics (params stay on the learner's worker)
+    evaluation: Future | None = None
+    trained_at: float | None = None
+    result: dict | None = None
+    evaluated: dict | None = None
+
+
+class Dataflow:
+    """One run's dataflow on `client`, from iteration `start["iteration"]` to the config's end.
+
+    `run(on_row)` returns the rows (one per iteration: env steps, training return, loss,
+    updates, env steps/s, updates/s, learner and collector busy fractions, policy lag,
+    and the greedy test scores where evaluated) and keeps run-wide totals in `summary()`.
+    """
+
+    def __init__(self, client: Client, config: RunConfig, start: dict, placement: Placement):
+        self.client, self.config, self.where = client, config, placement
+        self.cfg = config.to_dict()
+        self.first = int(start["iteration"])
+        self.lag = int(config.max_policy_lag)
+        self.params: dict[int, Future] = {self.first: self._on_learner(stages.policy_params, self.cfg)}
+        self.pending: collections.deque[_Iteration] = collections.deque()
+        self.events = as_completed()
+        self.waiting: dict[str, tuple[_Iteration, str]] = {}  # future key -> (iteration, kind)
+        self.next_to_submit = self.first
+        self.stopped_early = False
+        self.busy = {"learner": 0.0, "collectors": 0.0, "evaluator": 0.0}
+        self.lags: collections.Counter = collections.Counter()
+        self.breakdown: collections.Counter = collections.Counter()  # seconds per part
+        self.final_eval: dict = {}
+        self.began = self.last_trained = time.perf_counter()
+
+    # -------------------------------------------------------------- submitting work
+
+    def _on_learner(self, fn, *args, **kwargs) -> Future:
+        return self.client.submit(fn, *args, workers=[self.where.learner], pure=False, **kwargs)
+
+    def _submit(self, i: int):
+        """Iteration i's collect tasks, its train task and (when due) its evaluation."""
+        config, cfg = self.config, self.cfg
+        version = max(self.first, i - self.lag)
+        env_steps = i * config.steps_per_iteration
+        collects = [self.client.submit(stages.collect, cfg, c, i, self.params[version], version, env_steps,
+                                       workers=[self.where.collectors[c]], allow_other_workers=True,
+                                       pure=False, retries=2)
+                    for c in range(config.n_collectors)]
+        last = i == config.n_iterations - 1
+        checkpoint = last or (i + 1) % config.checkpoint_every == 0
+        previous = self.pending[-1].metrics if self.pending else None
+        trained = self._on_learner(stages.train, cfg, i, env_steps + config.steps_per_iteration,
+                                   checkpoint, collects, previous, retries=2)
+        # the params stay on the learner's worker until a collector or evaluator needs them
+        self.params[i + 1] = self._on_learner(operator.itemgetter("params"), trained, priority=1)
+        metrics = self._on_learner(operator.itemgetter("metrics"), trained, priority=1)
+        it = _Iteration(i, metrics)
+        self._wait(it, "trained", metrics)
+        if last or (i + 1) % config.eval_every == 0:
+            # below the collect and train tasks in priority: it fills idle time
+            it.evaluation = self.client.submit(
+                stages.evaluate, cfg, self.params[i + 1], i, workers=[self.where.evaluator],
+                allow_other_workers=True, pure=False, retries=2, priority=-1)
+            self._wait(it, "evaluated", it.evaluation)
+        self.pending.append(it)
+        # versions no later iteration acts with
+        for v in [v for v in self.params if v < max(self.first, i + 1 - self.lag)]:
+            del self.params[v]
+        self.next_to_submit = i + 1
+
+    def _wait(self, it: _Iteration, kind: str, future: Future):
+        self.waiting[future.key] = (it, kind)
+        self.events.add(future)
+
+    def _fill(self):
+        """Keeps K + 2 iterations submitted beyond the last one the learner finished."""
+        trained = self.next_to_submit - len(self.pending) + sum(1 for p in self.pending if p.result)
+        horizon = min(self.config.n_iterations, trained + self.lag + 2)
+        while not self.stopped_early and self.next_to_submit < horizon:
+            self._submit(self.next_to_submit)
+
+    # ------------------------------------------------------------------- the loop
+
+    def run(self, on_row: Callable[[dict], None] = lambda row: None) -> list[dict]:
+        rows: list[dict] = []
+        if self.first >= self.config.n_iterations:  # the checkpoint is already at the end
+            self.final_eval = self._evaluate_now(self.first - 1)
+            return rows
+        self._fill()
+        try:
+            while self.pending:
+                future = next(self.events)
+                it, kind = self.waiting.pop(future.key)
+                if kind == "trained":
+                    self._trained(it, future.result())
+                    self._fill()
+                else:
+                    it.evaluated = future.result()
+                    self.busy["evaluator"] += it.evaluated.pop("evaluate_s", 0.0)
+                while self.pending and self._ready(self.pending[0]):
+                    rows.append(self._row(self.pending.popleft()))
+                    on_row(rows[-1])
+        finally:
+            for it in self.pending:  # an error: leave nothing running on the cluster
+                for f in (it.metrics, it.evaluation):
+                    if f is not None:
+                        f.cancel()
+        last = rows[-1]["iteration"] - 1 if rows else None
+        if last is not None and "test_win_rate" not in rows[-1]:
+            # stopped by the wall-time limit between evaluations: score the last params
+            self.final_eval = self._evaluate_now(last)
+            self._attach(rows[-1], self.final_eval)
+        if last is not None and self.stopped_early:
+            self._on_learner(stages.save_checkpoint, self.cfg).result()
+        self.params.clear()
+        return rows
+
+    def _evaluate_now(self, i: int) -> dict:
+        """Scores the learner's params as they stand (everything submitted has finished)."""
+        params = self._on_learner(stages.policy_params, self.cfg)
+        out = self.client.submit(stages.evaluate, self.cfg, params, max(i, 0),
+                                 workers=[self.where.evaluator], allow_other_workers=True,
+                                 pure=False, retries=2).result()
+        self.busy["evaluator"] += out.pop("evaluate_s", 0.0)
+        return out
+
+    def _trained(self, it: _Iteration, metrics: dict):
+        now = time.perf_counter()
+        it.trained_at, it.result = now, metrics
+        max_wall = self.config.max_wall_s
+        if max_wall and now - self.began >= max_wall:
+            self.stopped_early = True  # no more iterations; those submitted finish
+
+    @staticmethod
+    def _ready(it: _Iteration) -> bool:
+        return it.result is not None and (it.evaluation is None or it.evaluated is not None)
+
+    # -------------------------------------------------------------------- metrics
+
+    def _row(self, it: _Iteration) -> dict:
+        config, m = self.config, it.result
+        interval = max(it.trained_at - self.last_trained, 1e-9)
+        self.last_trained = it.trained_at
+        collected = m["collected"]
+        collect_s = sum(c["collect_s"] for c in collected)
+        self.busy["learner"] += m["train_s"]
+        self.busy["collectors"] += collect_s
+        self.lags.update(m["lags"])
+        for part in ("rollout_s", "host_copy_s", "write_s"):
+            self.breakdown[part] += sum(c[part] for c in collected)
+        for part in ("read_s", "update_s", "publish_s", "checkpoint_s"):
+            self.breakdown[part] += m[part]
+        n_collector_workers = len(set(self.where.collectors))
+        row = {"iteration": it.index + 1, "env_steps": (it.index + 1) * config.steps_per_iteration,
+               "return": _mean(c["return_mean"] for c in collected),
+               "win_rate": _mean(c["win_rate"] for c in collected),
+               "loss": m.get("loss", float("nan")), "total_updates": m["total_updates"],
+               "steps_per_s": config.steps_per_iteration / interval,
+               "updates_per_s": m["updates"] / interval,
+               "learner_busy": min(1.0, m["train_s"] / interval),
+               "collector_busy": min(1.0, collect_s / (n_collector_workers * interval)),
+               "policy_lag": _mean(m["lags"]), "policy_lag_max": max(m["lags"])}
+        if it.evaluated is not None:
+            self._attach(row, it.evaluated)
+            self.final_eval = it.evaluated
+        return row
+
+    def _attach(self, row: dict, evaluation: dict):
+        row.update(test_win_rate=evaluation["win_rate"], test_return=evaluation["return_mean"])
+        if self.config.n_seeds > 1:  # the spread across seeds
+            row.update(test_win_rate_std=evaluation["win_rate_std"],
+                       test_return_std=evaluation["return_mean_std"])
+
+    def summary(self) -> dict:
+        """Run-wide figures: busy fractions of the wall, the lag histogram, where time went."""
+        wall = max(time.perf_counter() - self.began, 1e-9)
+        n_collector_workers = len(set(self.where.collectors))
+        return {"wall_s": wall,
+                "learner_busy": self.busy["learner"] / wall,
+                "collector_busy": self.busy["collectors"] / (n_collector_workers * wall),
+                "evaluate_s": self.busy["evaluator"],
+                "policy_lag_histogram": {int(k): int(v) for k, v in sorted(self.lags.items())},
+                "breakdown_s": {k: float(v) for k, v in self.breakdown.items()}}
+
+
+def _mean(values) -> float:
+    values = [v for v in values if v == v]  # drop NaN (a region with no finished episode)
+    return sum(values) / len(values) if values else float("nan")
