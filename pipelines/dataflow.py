@@ -85,7 +85,7 @@ class Dataflow:
         self.pending: collections.deque[_Iteration] = collections.deque()
         self.events = as_completed()
         self.waiting: dict[str, tuple[_Iteration, str]] = {}  # future key -> (iteration, kind)
-        self.next_to_submit = self.first
+        self.next_to_submit = self.trained = self.first  # iterations submitted / trained
         self.stopped_early = False
         self.busy = {"learner": 0.0, "collectors": 0.0, "evaluator": 0.0}
         self.lags: collections.Counter = collections.Counter()
@@ -135,8 +135,7 @@ class Dataflow:
 
     def _fill(self):
         """Keeps K + 2 iterations submitted beyond the last one the learner finished."""
-        trained = self.next_to_submit - len(self.pending) + sum(1 for p in self.pending if p.result)
-        horizon = min(self.config.n_iterations, trained + self.lag + 2)
+        horizon = min(self.config.n_iterations, self.trained + self.lag + 2)
         while not self.stopped_early and self.next_to_submit < horizon:
             self._submit(self.next_to_submit)
 
@@ -188,6 +187,7 @@ class Dataflow:
     def _trained(self, it: _Iteration, metrics: dict):
         now = time.perf_counter()
         it.trained_at, it.result = now, metrics
+        self.trained += 1
         max_wall = self.config.max_wall_s
         if max_wall and now - self.began >= max_wall:
             self.stopped_early = True  # no more iterations; those submitted finish
