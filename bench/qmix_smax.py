@@ -74,6 +74,7 @@ def main():
                         help="wall time for the reference run (default: what ours took to reach 0.9)")
     parser.add_argument("--no-reference", action="store_true")
     parser.add_argument("--run-root", default="runs/bench-qmix-smax")
+    parser.add_argument("--results-name", default="qmix_smax", help="bench/results/<name>.{json,md,png}")
     args = parser.parse_args()
 
     os.environ.setdefault("PREFECT_HOME", os.path.abspath(".prefect"))
@@ -97,7 +98,7 @@ def main():
         rows.append([r["label"], f"{r['env_steps']:,}", f"{r['wall_s']:.0f}", f"{r['env_steps_per_s']:,.0f}", at,
                      f"{r['best_test_win_rate']:.3f}", f"{r['final_test_win_rate']:.3f}"])
     plt = report.save(
-        "qmix_smax", {"target": TARGET, "results": results},
+        args.results_name, {"target": TARGET, "results": results},
         ["config", "env steps", "wall s", "env steps/s", "first test win >= 0.9 at (steps, wall s)",
          "best test win", "final test win"],
         ["---", "---:", "---:", "---:", "---", "---:", "---:"], rows)
@@ -117,7 +118,7 @@ def main():
         ax.legend()
     fig.suptitle("QMIX on SMAX 3m through the pipeline")
     fig.tight_layout()
-    fig.savefig(report.figure_path("qmix_smax"), dpi=120)
+    fig.savefig(report.figure_path(args.results_name), dpi=120)
 
 
 if __name__ == "__main__":
