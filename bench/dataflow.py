@@ -129,10 +129,7 @@ def main():
     args = parser.parse_args()
     budget = {**BUDGET, **{k: int(v) for k, v in (kv.split("=") for kv in args.env_steps)}}
 
-    os.environ.setdefault("PREFECT_HOME", os.path.abspath(".prefect"))
-    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
-    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "90")
-    os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
+    report.embedded_prefect()
 
     results = []
     for algo in args.algos:

@@ -312,10 +312,7 @@ def main():
     PRESET = args.preset
     name = PRESET.replace("-", "_")  # maddpg_mpe, maddpg_mpe_parl
 
-    os.environ.setdefault("PREFECT_HOME", os.path.abspath(".prefect"))
-    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
-    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "90")
-    os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
+    report.embedded_prefect()
 
     random_scores = random_policy_scores()
     print(f"[random] {random_scores}", flush=True)

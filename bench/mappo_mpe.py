@@ -283,10 +283,7 @@ def main():
     parser.add_argument("--preset", default="mappo-mpe")
     args = parser.parse_args()
 
-    os.environ.setdefault("PREFECT_HOME", os.path.abspath(".prefect"))
-    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
-    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "90")
-    os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
+    report.embedded_prefect()
 
     ref = run_reference(args.env_steps, args.seed, args.reference_recurrent, args.seeds)
     # the same env steps for both: whole reference updates of 128 x 128

@@ -94,10 +94,7 @@ def main():
     parser.add_argument("--run-root", default="runs/bench-mappo-pz")
     args = parser.parse_args()
 
-    os.environ.setdefault("PREFECT_HOME", os.path.abspath(".prefect/bench-mappo-pz"))
-    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
-    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "300")
-    os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
+    report.embedded_prefect(".prefect/bench-mappo-pz", startup_timeout_s=300)
 
     speed = [throughput(n, args.throughput_iterations, os.path.join(args.run_root, f"throughput-{n}"))
              for n in (1, 2)]

@@ -74,10 +74,7 @@ def main():
                         help="a preset override, as marl-train's --set")
     args = parser.parse_args()
 
-    os.environ.setdefault("PREFECT_HOME", os.path.abspath(".prefect"))
-    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
-    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "90")
-    os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
+    report.embedded_prefect()
 
     from pipelines.config import make_run_config
 

@@ -77,10 +77,7 @@ def main():
     parser.add_argument("--results-name", default="qmix_smax", help="bench/results/<name>.{json,md,png}")
     args = parser.parse_args()
 
-    os.environ.setdefault("PREFECT_HOME", os.path.abspath(".prefect"))
-    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
-    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "90")
-    os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
+    report.embedded_prefect()
 
     ours = run("ours", args.env_steps, {"eval_every": str(args.eval_every)},
                os.path.join(args.run_root, "ours"))

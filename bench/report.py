@@ -31,5 +31,14 @@ def save(name: str, payload: dict, header: list[str], align: list[str], rows: li
     return plt
 
 
+def embedded_prefect(home: str = ".prefect", startup_timeout_s: int = 90):
+    """Prefect without a server for a benchmark's flow runs: its own home (other benchmarks
+    may run their ephemeral servers at the same time), no telemetry, warnings only."""
+    os.environ.setdefault("PREFECT_HOME", os.path.abspath(home))
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", str(startup_timeout_s))
+    os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
+
+
 def figure_path(name: str) -> str:
     return os.path.join(RESULTS, f"{name}.png")

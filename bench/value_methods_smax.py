@@ -36,11 +36,7 @@ def main():
                         help="bench/results/<name>.{json,md,png} (keeps other budgets' results)")
     args = parser.parse_args()
 
-    # its own Prefect home: other benchmarks may run their ephemeral servers at the same time
-    os.environ.setdefault("PREFECT_HOME", os.path.abspath(".prefect/bench-value-methods"))
-    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "300")
-    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
-    os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
+    report.embedded_prefect(".prefect/bench-value-methods", startup_timeout_s=300)
 
     results = []
     for env in args.envs:
