@@ -119,15 +119,17 @@ class Dataflow:
         self._wait(it, "trained", metrics)
         if last or (i + 1) % config.eval_every == 0:
             # below the collect and train tasks in priority: it fills idle time
-            it.evaluation = self.client.submit(
-                stages.evaluate, cfg, self.params[i + 1], i, workers=[self.where.evaluator],
-                allow_other_workers=True, pure=False, retries=2, priority=-1)
+            it.evaluation = self._evaluate(self.params[i + 1], i, priority=-1)
             self._wait(it, "evaluated", it.evaluation)
         self.pending.append(it)
         # versions no later iteration acts with
         for v in [v for v in self.params if v < max(self.first, i + 1 - self.lag)]:
             del self.params[v]
         self.next_to_submit = i + 1
+
+    def _evaluate(self, params, i: int, **kwargs) -> Future:
+        return self.client.submit(stages.evaluate, self.cfg, params, i, workers=[self.where.evaluator],
+                                  allow_other_workers=True, pure=False, retries=2, **kwargs)
 
     def _wait(self, it: _Iteration, kind: str, future: Future):
         self.waiting[future.key] = (it, kind)
@@ -177,10 +179,7 @@ class Dataflow:
 
     def _evaluate_now(self, i: int) -> dict:
         """Scores the learner's params as they stand (everything submitted has finished)."""
-        params = self._on_learner(stages.policy_params, self.cfg)
-        out = self.client.submit(stages.evaluate, self.cfg, params, max(i, 0),
-                                 workers=[self.where.evaluator], allow_other_workers=True,
-                                 pure=False, retries=2).result()
+        out = self._evaluate(self._on_learner(stages.policy_params, self.cfg), max(i, 0)).result()
         self.busy["evaluator"] += out.pop("evaluate_s", 0.0)
         return out
 

@@ -268,25 +268,21 @@ class ReplayStore:
                 fill_value=-1,
                 dimension_names=(STEP_DIM,),
             )
-        group.create_array(
-            COMMIT,
-            shape=(n_slots,),
-            chunks=(1,),
-            dtype="int64",
-            fill_value=-1,
-            dimension_names=(SLOT_DIM,),
-            attributes={"description": "region id committed in each ring slot; -1 = none"},
-        )
-        group.create_array(
-            TRAINED,
-            shape=(n_slots,),
-            chunks=(1,),
-            dtype="int64",
-            fill_value=-1,
-            dimension_names=(SLOT_DIM,),
-            attributes={"description": "parameter version of the learner when it first trained "
-                                       "on the region in each ring slot; -1 = not yet"},
-        )
+        per_slot = {
+            COMMIT: "region id committed in each ring slot; -1 = none",
+            TRAINED: "parameter version of the learner when it first trained on the region in "
+                     "each ring slot; -1 = not yet",
+        }
+        for name, description in per_slot.items():  # one chunk per slot: written independently
+            group.create_array(
+                name,
+                shape=(n_slots,),
+                chunks=(1,),
+                dtype="int64",
+                fill_value=-1,
+                dimension_names=(SLOT_DIM,),
+                attributes={"description": description},
+            )
         group.create_group(
             HISTORY,
             attributes={"description": "one marker file per committed region id (append-only)"},
