@@ -73,7 +73,7 @@ def pipeline_collect(client, worker: str, n_envs: int, n_steps: int, repeats: in
 
     run_dir = tempfile.mkdtemp(prefix=f"collect-bench-{n_envs}-")
     config = make_run_config("qmix-smac", run_dir=run_dir, overrides={
-        "envs_per_collector": n_envs, "steps_per_region": n_steps, "buffer_steps": n_steps * (repeats + 1)})
+        "envs_per_collector": n_envs, "steps_per_region": n_steps, "buffer_transitions": n_envs * n_steps * (repeats + 1)})
     cfg = config.to_dict()
     client.submit(stages.prepare_run, cfg, workers=[worker], pure=False).result()
     params = client.submit(stages.policy_params, cfg, workers=[worker], pure=False)

@@ -27,7 +27,7 @@ TARGET = 0.9
 # GRU 512, 16 envs x 128 steps per collect, 8 updates ("epochs") per collect, LR 5e-5,
 # whole 128-step trajectories as training sequences, epsilon over 10% of 10M steps.
 REFERENCE = {
-    "envs_per_collector": "16", "steps_per_region": "128", "buffer_steps": "40960",
+    "envs_per_collector": "16", "steps_per_region": "128", "buffer_transitions": "655360",
     "hidden": "512", "lr": "5e-5", "updates_per_region": "8", "seq_len": "128",
     "batch_size": "32", "eps_decay_steps": "1000000", "learning_starts": "10000",
     "target_update_interval": "200",

@@ -16,8 +16,8 @@ from prefect.cache_policies import NO_CACHE
 
 from pipelines import cluster as clusters
 from pipelines import stages
-from pipelines.config import make_run_config
-from pipelines.dataflow import Dataflow, Placement
+from pipelines.config import RunConfig, make_run_config
+from pipelines.dataflow import Dataflow, Placement, Watch
 
 # callables (iteration row) -> None; the CLI registers one to draw progress
 ITERATION_HOOKS: list[Callable[[dict], Any]] = []
@@ -25,7 +25,10 @@ ITERATION_HOOKS: list[Callable[[dict], Any]] = []
 
 @task(name="prepare-run", cache_policy=NO_CACHE)
 def prepare_task(client, worker: str, config: dict) -> dict:
-    return client.submit(stages.prepare_run, config, workers=[worker], pure=False).result()
+    # the ring is fitted to the memory of the worker that will hold it
+    memory_limit = client.scheduler_info()["workers"][worker].get("memory_limit")
+    prepared = client.submit(stages.prepare_run, config, memory_limit, workers=[worker], pure=False)
+    return Watch(client, worker, config["run_dir"]).result(prepared)
 
 
 @flow(name="marl-train", log_prints=True)
@@ -44,6 +47,9 @@ def marl_train(preset: str = "qmix-smac", env: str | None = None, env_steps: int
         dashboard = client.dashboard_link
         logger.info("Dask dashboard: %s", dashboard)
         start = prepare_task(client, where.learner, cfg)
+        config = RunConfig(**start["config"])  # its ring as fitted to the learner's memory
+        if start["replay_note"]:
+            logger.warning(start["replay_note"])
         if start["iteration"]:
             logger.info("resuming %s at iteration %d (%d env steps) from its checkpoint",
                         config.run_dir, start["iteration"], start["env_steps"])

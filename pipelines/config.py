@@ -25,7 +25,11 @@ class RunConfig:
     n_collectors: int = 1
     envs_per_collector: int = 32  # N, one env chunk per collector region
     steps_per_region: int = 32  # T, the step chunk; one collect call fills one region
-    buffer_steps: int = 65_536  # ring capacity along the step axis (rounded to regions)
+    # replay ring capacity in transitions (env steps) per seed, rounded down to whole regions;
+    # fitted to the learner's memory budget when the run starts (pipelines/memory.py)
+    buffer_transitions: int = 1_000_000
+    # the learner's replay mirror may take this fraction of its worker's memory limit
+    replay_memory_fraction: float = 0.5
     eval_every: int = 20  # iterations between greedy evaluations (and at the end)
     eval_episodes: int = 128
     checkpoint_every: int = 20  # iterations between checkpoints (and at the end)
@@ -59,7 +63,13 @@ class RunConfig:
     def n_slots(self) -> int:
         # room for every region written before the learner reads it: those of the iteration
         # it trains on and of the K after it, which may be collected meanwhile
-        return max(self.n_collectors * (self.max_policy_lag + 1), self.buffer_steps // self.steps_per_region)
+        return max(self.n_collectors * (self.max_policy_lag + 1),
+                   self.buffer_transitions // self.transitions_per_region)
+
+    @property
+    def transitions_per_region(self) -> int:
+        """Env steps of one seed in one region."""
+        return self.envs_per_collector * self.steps_per_region
 
     @property
     def store_path(self) -> str:
@@ -79,9 +89,12 @@ class RunConfig:
         return json.dumps(self.to_dict(), sort_keys=True)
 
 
+# QMIX's ring: 1M transitions per seed (PyMARL and PARL keep 5,000 episodes, ~300k transitions
+# on these maps). The 3m runs that reached 0.9 did so by 320k-600k env steps, before a 1M ring
+# overwrites anything; larger maps get the ring fitted to the learner's memory (memory.py).
 _QMIX_SMAC = dict(
     algo="qmix", env_id="smax:3m", total_env_steps=2_500_000, n_collectors=1,
-    envs_per_collector=32, steps_per_region=32, buffer_steps=65_536,
+    envs_per_collector=32, steps_per_region=32, buffer_transitions=1_000_000,
     eval_every=10, checkpoint_every=20,
     algo_overrides=dict(updates_per_region=32, seq_len=16, eps_end=0.01, eps_decay_steps=50_000,
                         td_lambda=0.6),
@@ -89,7 +102,7 @@ _QMIX_SMAC = dict(
 
 _MAPPO_MPE = dict(
     algo="mappo", env_id="mpe:simple_spread", total_env_steps=2_000_000, n_collectors=1,
-    envs_per_collector=128, steps_per_region=128, buffer_steps=1_024,
+    envs_per_collector=128, steps_per_region=128, buffer_transitions=131_072,
     eval_every=10, checkpoint_every=20,
     # 8 epochs where JaxMARL's MAPPO-MPE has 4: more return per env step (BENCHMARKS.md)
     algo_overrides=dict(hidden=128, activation="relu", lr=2e-3, anneal_lr_iterations=123,
@@ -100,7 +113,7 @@ _MAPPO_MPE = dict(
 _MADDPG_MPE = dict(
     algo="maddpg", env_id="mpe:simple_spread",
     env_kwargs={"action_type": "Continuous", "max_steps": 24}, total_env_steps=2_500_000,
-    envs_per_collector=64, steps_per_region=50, buffer_steps=1_600,
+    envs_per_collector=64, steps_per_region=50, buffer_transitions=102_400,
     eval_every=10, eval_episodes=128, checkpoint_every=20,
     algo_overrides=dict(updates_per_region=32, learning_starts=25_600, time_limit_bootstrap=True,
                         twin_critics=True, actor_every=2, actor_lr=3e-3, critic_lr=3e-3,
@@ -118,7 +131,7 @@ PRESETS: dict[str, dict] = {
     # a few thousand steps end to end, for tests and smoke runs
     "qmix-smac-tiny": dict(
         algo="qmix", env_id="smax:3m", total_env_steps=4_096, n_collectors=2,
-        envs_per_collector=8, steps_per_region=32, buffer_steps=2_048,
+        envs_per_collector=8, steps_per_region=32, buffer_transitions=16_384,
         eval_every=2, eval_episodes=16, checkpoint_every=2,
         algo_overrides=dict(hidden=16, mixer_embed=8, hypernet_embed=16, batch_size=8,
                             seq_len=8, updates_per_region=2, learning_starts=256,
@@ -135,7 +148,7 @@ PRESETS: dict[str, dict] = {
     # constant lr the greedy win rate reached 0.9 but kept swinging around it
     "mappo-smax": dict(
         algo="mappo", env_id="smax:3m", total_env_steps=3_000_000, n_collectors=1,
-        envs_per_collector=64, steps_per_region=128, buffer_steps=1_024,
+        envs_per_collector=64, steps_per_region=128, buffer_transitions=65_536,
         eval_every=10, checkpoint_every=20,
         algo_overrides=dict(hidden=128, activation="relu", lr=2e-3, anneal_lr_iterations=367,
                             epochs=4, minibatches=4, clip_eps=0.05, ent_coef=0.01,
@@ -144,7 +157,7 @@ PRESETS: dict[str, dict] = {
     # PettingZoo's simple_spread stepped in numpy on CPU workers, same learner as mappo-mpe
     "mappo-pz-spread": dict(
         algo="mappo", env_id="pz:mpe2.simple_spread_v3", total_env_steps=500_000, n_collectors=2,
-        envs_per_collector=32, steps_per_region=128, buffer_steps=1_024,
+        envs_per_collector=32, steps_per_region=128, buffer_transitions=32_768,
         eval_every=10, eval_episodes=32, checkpoint_every=20,
         algo_overrides=dict(hidden=128, activation="relu", lr=2e-3, epochs=4, minibatches=4,
                             clip_eps=0.2, ent_coef=0.01, max_grad_norm=0.5),
@@ -152,7 +165,7 @@ PRESETS: dict[str, dict] = {
     # a few thousand steps end to end, for tests and smoke runs
     "mappo-mpe-tiny": dict(
         algo="mappo", env_id="mpe:simple_spread", total_env_steps=1_024, n_collectors=2,
-        envs_per_collector=8, steps_per_region=16, buffer_steps=64,
+        envs_per_collector=8, steps_per_region=16, buffer_transitions=512,
         eval_every=2, eval_episodes=8, checkpoint_every=2,
         algo_overrides=dict(hidden=16, epochs=2, minibatches=2),
     ),
@@ -174,7 +187,7 @@ PRESETS: dict[str, dict] = {
     "maddpg-mpe-tiny": dict(
         algo="maddpg", env_id="mpe:simple_spread",
         env_kwargs={"action_type": "Continuous", "max_steps": 24}, total_env_steps=1_600,
-        n_collectors=2, envs_per_collector=8, steps_per_region=25, buffer_steps=200,
+        n_collectors=2, envs_per_collector=8, steps_per_region=25, buffer_transitions=1_600,
         eval_every=2, eval_episodes=8, checkpoint_every=2,
         algo_overrides=dict(hidden=16, batch_size=64, updates_per_region=2, learning_starts=200,
                             time_limit_bootstrap=True, twin_critics=True, actor_every=2,
@@ -221,9 +234,12 @@ def make_run_config(preset: str, *, env_id: str | None = None, total_env_steps: 
             run_values[key] = algos.coerce(value, kind, key)
     config = RunConfig(preset=preset, algo_overrides=algo_overrides, **run_values)
     for key in ("total_env_steps", "n_collectors", "envs_per_collector", "steps_per_region", "n_seeds",
-                "buffer_steps", "eval_every", "eval_episodes", "checkpoint_every"):
+                "buffer_transitions", "eval_every", "eval_episodes", "checkpoint_every"):
         if getattr(config, key) < 1:
             raise ConfigError(f"setting {key}={getattr(config, key)} must be >= 1")
+    if not 0 < config.replay_memory_fraction <= 1:
+        raise ConfigError(f"setting replay_memory_fraction={config.replay_memory_fraction} must be in "
+                          "(0, 1]: the share of the learner worker's memory its replay may take")
     if config.max_policy_lag < 0:
         raise ConfigError(f"setting max_policy_lag={config.max_policy_lag} must be >= 0 "
                           "(0: lock-step; K: collectors act with params up to K versions old)")

@@ -30,7 +30,7 @@ import operator
 import time
 from typing import Callable
 
-from distributed import Client, Future, as_completed
+from distributed import Client, Future, wait
 
 from pipelines import cluster as clusters
 from pipelines import stages
@@ -58,6 +58,93 @@ class Placement:
         return cls(learner, collectors, spare[0] if spare else collectors[-1])
 
 
+class RunStopped(RuntimeError):
+    """The run cannot go on (its learner's worker, every worker or the scheduler is gone);
+    the message says why and how to resume, in one line."""
+
+
+# how often a wait checks that the run can go on, and how long the learner's worker may stay
+# paused by Dask (memory) before the run stops: no wait is unbounded
+LIVENESS_S = 2.0
+PAUSED_LIMIT_S = 60.0
+
+
+class Watch:
+    """Waits on futures while checking, every LIVENESS_S, that the learner's worker (whose
+    tasks are pinned to it, so they would wait for it forever) is alive and not paused."""
+
+    def __init__(self, client: Client, learner: str, run_dir: str):
+        self.client, self.learner, self.run_dir = client, learner, run_dir
+        self.checked = time.monotonic()
+        self.paused_since: float | None = None
+        self.last_seen: dict = {}  # the learner worker's info when last seen
+        self.doing = "its first task"  # what the learner was doing, for the message
+
+    def wait(self, futures) -> set:
+        """The futures of `futures` that are done (at least one)."""
+        while True:
+            timeout = max(0.05, LIVENESS_S - (time.monotonic() - self.checked))
+            try:
+                done = wait(futures, timeout=timeout, return_when="FIRST_COMPLETED").done
+            except TimeoutError:
+                done = set()
+            if time.monotonic() - self.checked >= LIVENESS_S:
+                self.check()
+            if done:
+                return done
+
+    def result(self, future: Future):
+        self.wait([future])
+        return future.result()
+
+    def check(self):
+        self.checked = time.monotonic()
+        resume = f"run the same command again to resume {self.run_dir} from its last checkpoint"
+        try:
+            workers = self.client.scheduler_info()["workers"]
+        except Exception as e:  # the comm's own errors, whatever the transport
+            raise RunStopped(f"the Dask scheduler is unreachable ({type(e).__name__}: {e}); {resume} "
+                             "once it is back") from None
+        if not workers:
+            raise RunStopped(f"the Dask cluster has no workers left; {resume} on a cluster with workers")
+        info = workers.get(self.learner)
+        if info is None:
+            raise RunStopped(f"{self._lost()} during {self.doing}; {resume}")
+        self.last_seen = info
+        if info.get("status") != "paused":
+            self.paused_since = None
+        elif self.paused_since is None:
+            self.paused_since = self.checked
+        elif self.checked - self.paused_since >= PAUSED_LIMIT_S:
+            raise RunStopped(
+                f"the learner's worker {self.learner} was paused by Dask for {PAUSED_LIMIT_S:.0f} s at "
+                f"{_memory(info)} during {self.doing}; {_LOWER}, then {resume}")
+
+    def _lost(self) -> str:
+        restarts = [event for _, event in self.client.get_events("worker-restart-memory")
+                    if event.get("worker") == self.learner]
+        if restarts:
+            limit = self.last_seen.get("memory_limit")
+            return (f"the learner's worker {self.learner} was restarted by Dask for memory "
+                    f"({_gib(restarts[-1]['rss'])} used" + (f" of its {_gib(limit)} limit" if limit else "")
+                    + f"; {_LOWER})")
+        if self.last_seen:
+            return f"the learner's worker {self.learner} was lost (last seen at {_memory(self.last_seen)})"
+        return f"the learner's worker {self.learner} was lost"
+
+
+_LOWER = "lower buffer_transitions, n_seeds or replay_memory_fraction, or give workers more memory"
+
+
+def _gib(n) -> str:
+    return f"{n / 2**30:.1f} GiB"
+
+
+def _memory(info: dict) -> str:
+    used, limit = info.get("metrics", {}).get("memory", 0), info.get("memory_limit")
+    return f"{_gib(used)}" + (f" of its {_gib(limit)} memory limit" if limit else " memory")
+
+
 @dataclasses.dataclass
 class _Iteration:
     index: int
@@ -83,8 +170,8 @@ class Dataflow:
         self.lag = int(config.max_policy_lag)
         self.params: dict[int, Future] = {self.first: self._on_learner(stages.policy_params, self.cfg)}
         self.pending: collections.deque[_Iteration] = collections.deque()
-        self.events = as_completed()
-        self.waiting: dict[str, tuple[_Iteration, str]] = {}  # future key -> (iteration, kind)
+        self.watch = Watch(client, placement.learner, config.run_dir)
+        self.waiting: dict[Future, tuple[_Iteration, str]] = {}  # -> (iteration, kind)
         self.next_to_submit = self.trained = self.first  # iterations submitted / trained
         self.stopped_early = False
         self.busy = {"learner": 0.0, "collectors": 0.0, "evaluator": 0.0}
@@ -132,8 +219,7 @@ class Dataflow:
                                   allow_other_workers=True, pure=False, retries=2, **kwargs)
 
     def _wait(self, it: _Iteration, kind: str, future: Future):
-        self.waiting[future.key] = (it, kind)
-        self.events.add(future)
+        self.waiting[future] = (it, kind)
 
     def _fill(self):
         """Keeps K + 2 iterations submitted beyond the last one the learner finished."""
@@ -151,14 +237,15 @@ class Dataflow:
         self._fill()
         try:
             while self.pending:
-                future = next(self.events)
-                it, kind = self.waiting.pop(future.key)
-                if kind == "trained":
-                    self._trained(it, future.result())
-                    self._fill()
-                else:
-                    it.evaluated = future.result()
-                    self.busy["evaluator"] += it.evaluated.pop("evaluate_s", 0.0)
+                self.watch.doing = f"train of iteration {self.trained}"
+                for future in self.watch.wait(list(self.waiting)):
+                    it, kind = self.waiting.pop(future)
+                    if kind == "trained":
+                        self._trained(it, future.result())
+                    else:
+                        it.evaluated = future.result()
+                        self.busy["evaluator"] += it.evaluated.pop("evaluate_s", 0.0)
+                self._fill()
                 while self.pending and self._ready(self.pending[0]):
                     rows.append(self._row(self.pending.popleft()))
                     on_row(rows[-1])
@@ -173,13 +260,15 @@ class Dataflow:
             self.final_eval = self._evaluate_now(last)
             self._attach(rows[-1], self.final_eval)
         if last is not None and self.stopped_early:
-            self._on_learner(stages.save_checkpoint, self.cfg).result()
+            self.watch.doing = "its final checkpoint"
+            self.watch.result(self._on_learner(stages.save_checkpoint, self.cfg))
         self.params.clear()
         return rows
 
     def _evaluate_now(self, i: int) -> dict:
         """Scores the learner's params as they stand (everything submitted has finished)."""
-        out = self._evaluate(self._on_learner(stages.policy_params, self.cfg), max(i, 0)).result()
+        self.watch.doing = "the final evaluation"
+        out = self.watch.result(self._evaluate(self._on_learner(stages.policy_params, self.cfg), max(i, 0)))
         self.busy["evaluator"] += out.pop("evaluate_s", 0.0)
         return out
 

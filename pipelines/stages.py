@@ -33,6 +33,7 @@ from marl import algos, buffer, envs, rollout, seeds
 from marl.transition import store_fields
 from marl.learner import Learner
 from pipelines.config import RunConfig
+from pipelines.memory import check_fits, fit_replay, replay_memory
 from storage import Checkpointer, Field, ReplayStore, StoreError
 
 
@@ -55,36 +56,66 @@ def replay_fields(spec: envs.EnvSpec, learner=None) -> dict[str, Field]:
 
 
 def open_store(config: RunConfig, spec: envs.EnvSpec, create: bool = False,
-               learner=None) -> ReplayStore:
+               learner=None, requested_transitions: int | None = None) -> ReplayStore:
     if not create:
         return ReplayStore.open(config.store_path, mode="r+")
     attrs = {"env_id": config.env_id, "env_spec": spec.to_dict(), "algorithm": config.algo,
              "seed": config.seed, "n_seeds": config.n_seeds, "config": config.to_dict(),
-             "preset": config.preset}
+             "preset": config.preset,
+             # what the run asked for before its ring was fitted to memory: the same request
+             # resumes the same ring (prepare_run)
+             "requested_buffer_transitions": requested_transitions or config.buffer_transitions}
     os.makedirs(config.run_dir, exist_ok=True)
     return ReplayStore.open_or_create(
         config.store_path, fields=replay_fields(spec, learner), n_envs=config.envs_per_region,
         steps_per_region=config.steps_per_region, n_slots=config.n_slots, attrs=attrs)
 
 
-def prepare_run(config) -> dict:
-    """Checks the env and algorithm, makes (or reopens) the store, and says where to resume.
+def prepare_run(config, memory_limit: int | None = None) -> dict:
+    """Checks the env and algorithm, fits the replay ring to the learner's memory, makes (or
+    reopens) the store, and says where to resume. Runs on the learner's worker, whose
+    `memory_limit` (bytes; default: this machine's memory) bounds the ring.
 
-    Returns {"iteration", "env_steps", "param_version"} of the latest checkpoint, or zeros.
+    Returns {"iteration", "env_steps", "param_version"} of the latest checkpoint (or zeros),
+    "config": the run's config with its ring as fitted, "replay_note": a line saying how
+    the ring was fitted (None where it fits as asked).
     Everything is checked before anything is written, so bad input leaves a store as it was.
     """
     config = as_config(config)
     env = envs.make(config.env_id, **config.env_kwargs)
     learner = algos.make_learner(config.algo, env.spec, config.algo_config())
-    open_store(config, env.spec, create=True, learner=learner)
+    limit = memory_limit or os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    memory = lambda c: replay_memory(c, replay_fields(env.spec, learner), learner.on_policy,
+                                     getattr(learner.config, "learning_starts", 0), limit)
+    requested, ring = config.buffer_transitions, _stored_ring(config)
+    if ring is not None:  # a resumed run keeps the ring it was fitted to
+        config = dataclasses.replace(config, buffer_transitions=ring)
+        check_fits(config, memory(config))
+        note = None
+    else:
+        config, note = fit_replay(config, memory(config))
+    open_store(config, env.spec, create=True, learner=learner, requested_transitions=requested)
     checkpoints = Checkpointer(config.checkpoint_dir)
     try:
-        if checkpoints.latest_step() is None:
-            return {"iteration": 0, "env_steps": 0, "param_version": 0}
-        meta = checkpoints.metadata()
-        return {k: int(meta[k]) for k in ("iteration", "env_steps", "param_version")}
+        start = {"iteration": 0, "env_steps": 0, "param_version": 0}
+        if checkpoints.latest_step() is not None:
+            meta = checkpoints.metadata()
+            start = {k: int(meta[k]) for k in start}
+        return {**start, "config": config.to_dict(), "replay_note": note}
     finally:
         checkpoints.close()
+
+
+def _stored_ring(config: RunConfig) -> int | None:
+    """The ring (transitions per seed) of this run dir's store where it was made for the
+    same request, else None."""
+    try:
+        attrs = ReplayStore.open(config.store_path).attrs
+    except StoreError:
+        return None  # no store yet (a broken one gets its error from open_store)
+    if attrs.get("requested_buffer_transitions") != config.buffer_transitions:
+        return None
+    return int(attrs["config"]["buffer_transitions"])
 
 
 def env_backend(config) -> str:

@@ -12,7 +12,7 @@ import pytest
 
 from pipelines import stages
 from pipelines.config import make_run_config
-from pipelines.dataflow import Dataflow, Placement
+from pipelines.dataflow import Dataflow, Placement, RunStopped
 from storage import Checkpointer, ReplayStore, open_replay
 
 TINY = "qmix-smac-tiny"  # 2 collectors x 8 envs x 32 steps per iteration
@@ -121,6 +121,36 @@ def test_a_killed_collector_is_resubmitted_and_every_region_lands_once(tmp_path,
     store = ReplayStore.open(store_path)
     assert [r for r, _ in store.committed()] == list(range(32))
     assert store.total_regions_committed() == 32
+
+
+def test_a_killed_learner_stops_the_run_in_one_line_instead_of_a_hang(tmp_path, three_workers):
+    # its tasks are pinned to it, so Dask alone would wait for it forever
+    client = three_workers
+    config = make_run_config(TINY, run_dir=str(tmp_path / "learner"))
+    learner = Placement.on(client, config).learner
+    pid = client.run(os.getpid, workers=[learner])[learner]
+    commits = os.path.join(config.store_path, "commits")
+    outcome = {}
+
+    def train():
+        try:
+            run_dataflow(client, tmp_path / "learner", 64 * 512)
+        except BaseException as error:  # reported below
+            outcome["error"] = error
+
+    thread = threading.Thread(target=train)
+    thread.start()
+    while thread.is_alive() and not (os.path.isdir(commits) and len(os.listdir(commits)) >= 4):
+        time.sleep(0.05)
+    os.kill(pid, signal.SIGKILL)
+    killed = time.monotonic()
+    thread.join(timeout=60)
+    assert not thread.is_alive(), "the run waited for its dead learner"
+    assert time.monotonic() - killed < 30
+    assert isinstance(outcome.get("error"), RunStopped), outcome
+    message = str(outcome["error"])
+    assert "\n" not in message and f"the learner's worker {learner} was lost" in message
+    assert "run the same command again to resume" in message
 
 
 def _leaves(tree, path=""):

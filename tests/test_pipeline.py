@@ -19,7 +19,9 @@ def test_stages_run_as_plain_functions(tmp_path):
     config = make_run_config(TINY, run_dir=str(tmp_path / "run"), n_collectors=1, total_env_steps=512,
                              overrides={"learning_starts": "1"})
     cfg = config.to_dict()
-    assert stages.prepare_run(cfg) == {"iteration": 0, "env_steps": 0, "param_version": 0}
+    start = stages.prepare_run(cfg)
+    assert {k: start[k] for k in ("iteration", "env_steps", "param_version")} == {"iteration": 0, "env_steps": 0, "param_version": 0}
+    assert start["config"] == cfg and start["replay_note"] is None  # the tiny ring fits as asked
     params = stages.policy_params(cfg)
     for iteration in range(2):
         stats = stages.collect(cfg, 0, iteration, params, iteration, iteration * 256)
