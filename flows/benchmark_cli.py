@@ -6,8 +6,21 @@ import os
 
 
 def cmd_benchmark(args) -> int:
-    from flows.cli import _embedded_defaults
+    import math
 
+    from flows import checks
+    from flows.cli import _embedded_defaults, fail
+
+    try:  # the cheap checks first: no import of JAX or Prefect for a typo
+        checks.check_count("--env-steps", args.env_steps, example=100_000)
+        checks.check_count("--workers", args.workers)
+        if args.max_wall_s is not None and not (0 < args.max_wall_s < math.inf):
+            raise checks.InputError(f"--max-wall-s {args.max_wall_s} must be > 0 seconds; e.g. --max-wall-s 600")
+        checks.check_scheduler(args.scheduler)
+        if not args.list:
+            checks.check_writable_path(args.results_dir, "--results-dir", directory=True)
+    except checks.InputError as e:
+        return fail(e)
     _embedded_defaults()  # before prefect is imported
     from rich.console import Console
     from rich.table import Table
@@ -27,15 +40,13 @@ def cmd_benchmark(args) -> int:
     try:  # fail fast, before any cluster or server starts
         benchmark.select_suites(names)
     except ConfigError as e:
-        console.print(f"[red]marl: {e}[/red]")
-        return 2
+        return fail(e)
     try:
         out = benchmark.marl_benchmark(suites=names, env_steps=args.env_steps, max_wall_s=args.max_wall_s,
                                        results_dir=args.results_dir, scheduler_address=args.scheduler,
                                        n_workers=args.workers)
     except (ConfigError, RuntimeError, ValueError) as e:
-        console.print(f"[red]marl: {e}[/red]")
-        return 1
+        return fail(e, code=1)
     table = Table(title="marl-benchmark")
     for col in ("suite", "metric", "env steps", "previous", "score", "delta", "wall s", "status"):
         table.add_column(col, justify="right")

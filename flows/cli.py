@@ -30,42 +30,90 @@ def _embedded_defaults():
     logging.getLogger("distributed").setLevel(logging.WARNING)
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse with its errors in one line (argparse prints the whole usage first)."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: {message}; see {self.prog} --help\n")
+
+
+def fail(error, code: int = 2) -> int:
+    """The one-line answer to bad input (exit 2) or a failed run (exit 1), on stderr."""
+    from flows.checks import one_line
+
+    print(f"marl: {one_line(error)}", file=sys.stderr)
+    return code
+
+
 def _parse_sets(pairs: list[str]) -> dict[str, str]:
+    from flows.checks import InputError
+
     out = {}
     for pair in pairs:
         key, sep, value = pair.partition("=")
-        if not sep or not key:
-            raise SystemExit(f"marl: bad --set {pair!r}; write --set key=value, e.g. --set lr=0.001")
+        if not sep or not key.strip():
+            raise InputError(f"bad --set {pair!r}; write --set key=value, e.g. --set lr=0.001")
         out[key.strip()] = value.strip()
     return out
 
 
+class _DropReported(logging.Filter):
+    """Keeps Prefect from logging, traceback and all, the errors this CLI answers in one line
+    (bad input, a failed stage); its other warnings and errors still show."""
+
+    def filter(self, record) -> bool:
+        from flows import train as train_flow
+
+        error = record.exc_info[1] if record.exc_info else None
+        if error is not None:
+            return not (train_flow.reported(error) or train_flow.task_stage(error))
+        return not str(record.msg).startswith("Finished in state Failed")
+
+
 def cmd_train(args) -> int:
     _embedded_defaults()
-    from rich.console import Console
-    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
-    from rich.table import Table
+    from flows import checks
 
-    from flows import train as train_flow
+    # the cheap checks first: a typo costs no JAX import, no cluster, no server
+    try:
+        overrides = _parse_sets(args.set or [])
+        if args.seeds is not None:
+            overrides["n_seeds"] = str(args.seeds)
+        for flag, value, example in (("--env-steps", args.env_steps, 100_000), ("--collectors", args.collectors, 2),
+                                     ("--seeds", args.seeds, 3), ("--workers", args.workers, 2)):
+            checks.check_count(flag, value, example=example)
+        if args.workers is not None and args.scheduler:
+            raise checks.InputError("--workers sizes a new local cluster and --scheduler uses a running one; "
+                                    "leave out one of them")
+        checks.check_scheduler(args.scheduler)
+        if args.run_dir is not None:
+            checks.check_run_dir(args.run_dir)
+    except checks.InputError as e:
+        return fail(e)
     from marl.algos import ConfigError
     from marl.envs import EnvError
     from pipelines.config import make_run_config
     from storage import StoreError
 
-    console = Console()
-    overrides = _parse_sets(args.set or [])
-    if args.seeds:
-        overrides["n_seeds"] = str(args.seeds)
-    try:  # fail fast, before any cluster or server starts
+    bad_input = (checks.InputError, ConfigError, EnvError, StoreError)
+    n_workers = args.workers or 2
+    try:  # everything else before any cluster or server starts
         config = make_run_config(args.preset, env_id=args.env, total_env_steps=args.env_steps,
                                  n_collectors=args.collectors, seed=args.seed,
                                  run_dir=args.run_dir, overrides=overrides)
-        from marl import envs
+        checks.check_run(config, args.scheduler, n_workers)
+    except bad_input as e:
+        return fail(e)
 
-        envs.make(config.env_id, **config.env_kwargs)
-    except (ConfigError, EnvError) as e:
-        console.print(f"[red]marl: {e}[/red]")
-        return 2
+    from rich.console import Console
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+    from rich.table import Table
+
+    from flows import train as train_flow
+
+    for name in ("prefect.flow_runs", "prefect.task_runs"):  # where Prefect logs a run's failure
+        logging.getLogger(name).addFilter(_DropReported())
+    console = Console()
 
     table = Table(title=f"{config.preset} on {config.env_id}")
     for col in ("iter", "env steps", "test win", "return", "loss", "env steps/s"):
@@ -90,10 +138,13 @@ def cmd_train(args) -> int:
             result = train_flow.marl_train(
                 preset=args.preset, env=args.env, env_steps=args.env_steps, collectors=args.collectors,
                 seed=args.seed, seeds=args.seeds, run_dir=args.run_dir, overrides=overrides,
-                scheduler_address=args.scheduler, n_workers=args.workers)
-        except (ConfigError, EnvError, StoreError, ValueError) as e:
-            console.print(f"[red]marl: {e}[/red]")
-            return 2
+                scheduler_address=args.scheduler, n_workers=n_workers)
+        except bad_input as e:  # found only where the run starts (e.g. the memory of its workers)
+            progress.stop()
+            return fail(e)
+        except (train_flow.StageError, train_flow.RunStopped) as e:  # a failed run: one line, exit 1
+            progress.stop()
+            return fail(e, code=1)
         finally:
             train_flow.ITERATION_HOOKS.remove(on_iteration)
     console.print(table)
@@ -113,7 +164,7 @@ def cmd_presets(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="marl", description="Multi-agent RL as a dataflow.")
+    parser = Parser(prog="marl", description="Multi-agent RL as a dataflow.")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("train", help="train a preset on a local Dask cluster with Prefect (no server needed)",
@@ -133,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--set", action="append", metavar="KEY=VALUE",
                    help="override a run or algorithm setting, e.g. --set lr=0.001 (repeatable)")
     p.add_argument("--scheduler", help="address of a running Dask scheduler (default: a new local cluster)")
-    p.add_argument("--workers", type=int, default=2, help="local cluster workers (default 2)")
+    p.add_argument("--workers", type=int, help="local cluster workers (default 2)")
     p.set_defaults(fn=cmd_train)
 
     for module in COMMAND_MODULES:  # each adds its own subcommands

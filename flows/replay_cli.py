@@ -23,8 +23,10 @@ def _console():
     return Console(markup=False) if sys.stdout.isatty() else Console(width=160, soft_wrap=True, markup=False)
 
 
-def _fail(message: str) -> int:
-    print(f"marl: {message}", file=sys.stderr)
+def _fail(message) -> int:
+    from flows.checks import one_line
+
+    print(f"marl: {one_line(message)}", file=sys.stderr)
     return 2
 
 
@@ -90,7 +92,7 @@ def _derived_info(path: str) -> int:
     try:
         derived = DerivedGroup.open(path)
     except StoreError as e:
-        return _fail(str(e))
+        return _fail(e)
     console, attrs = _console(), derived.attrs
     written = derived.written()
     console.print(f"{attrs.get('kind')} group: {os.path.abspath(path)}")
@@ -125,7 +127,7 @@ def cmd_replay_info(args) -> int:
         store = ReplayStore.open(path)
         ds = open_replay(path)
     except StoreError as e:
-        return _fail(str(e))
+        return _fail(e)
     console, attrs = _console(), store.attrs
     spec = attrs.get("env_spec") or {}
     committed = [r for r, _ in store.committed()]
@@ -163,12 +165,17 @@ def cmd_replay_episodes(args) -> int:
     from storage import StoreError, open_replay
     from storage.episodes import episodes, summarize
 
+    from flows import checks
+
     path = store_path(args.path)
     try:
+        if args.csv:  # checked before the episodes are computed; never written into the store
+            checks.check_writable_path(args.csv, "--csv", directory=False)
+            checks.check_outside(args.csv, "--csv", {"replay store": path})
         table = episodes(open_replay(path))
         summary = summarize(table, args.by)
-    except StoreError as e:
-        return _fail(str(e))
+    except (StoreError, checks.InputError) as e:
+        return _fail(e)
     if args.csv:
         table.to_csv(args.csv, index=False)
     console = _console()
@@ -193,16 +200,27 @@ def cmd_replay_episodes(args) -> int:
 
 
 def cmd_replay_reanalyze(args) -> int:
+    from flows import checks
     from flows.cli import _embedded_defaults
+
+    try:  # the cheap checks first: no JAX import for a typo
+        checks.check_count("--workers", args.workers)
+        checks.check_count("--checkpoint", args.checkpoint, low=0, example=20)
+        checks.check_scheduler(args.scheduler)
+    except checks.InputError as e:
+        return _fail(e)
     from marl.algos import ConfigError
     from pipelines import reanalyze
     from storage import StoreError
 
     try:  # bad paths or steps fail here, before a Prefect server or a cluster starts
-        reanalyze.plan(run_dir=args.run_dir, store=args.store, checkpoint_dir=args.checkpoints,
-                       checkpoint=args.checkpoint, out=args.out)
-    except StoreError as e:
-        return _fail(str(e))
+        job = reanalyze.plan(run_dir=args.run_dir, store=args.store, checkpoint_dir=args.checkpoints,
+                             checkpoint=args.checkpoint, out=args.out)
+        checks.check_writable_path(job["out"], "--out", directory=True)
+        checks.check_outside(job["out"], "--out", {"replay store": job["store"],
+                                                   "checkpoint dir": job["checkpoint_dir"]})
+    except (StoreError, checks.InputError) as e:
+        return _fail(e)
     _embedded_defaults()  # before prefect is imported
     from flows.reanalyze import marl_reanalyze
 
@@ -211,7 +229,7 @@ def cmd_replay_reanalyze(args) -> int:
                                 checkpoint=args.checkpoint, out=args.out,
                                 scheduler_address=args.scheduler, n_workers=args.workers)
     except (StoreError, ConfigError, ValueError) as e:
-        return _fail(str(e))
+        return _fail(e)
     console = _console()
     console.print(f"reanalysed {result['written']} of {len(result['regions'])} regions of "
                   f"{result['store']} with checkpoint {result['checkpoint_step']} in {result['wall_s']:.1f} s")
@@ -225,13 +243,18 @@ def cmd_replay_reanalyze(args) -> int:
 
 
 def cmd_replay_export(args) -> int:
+    from flows import checks
     from storage import StoreError
     from storage.minari_export import export_minari
 
+    path = store_path(args.path)
     try:
-        result = export_minari(store_path(args.path), args.minari, out_dir=args.out)
-    except StoreError as e:
-        return _fail(str(e))
+        if args.out:  # a Minari root of its own, never inside the store it reads
+            checks.check_writable_path(args.out, "--out", directory=True)
+            checks.check_outside(args.out, "--out", {"replay store": path})
+        result = export_minari(path, args.minari, out_dir=args.out)
+    except (StoreError, checks.InputError) as e:
+        return _fail(e)
     _console().print(f"Minari dataset {result['dataset_id']}: {result['episodes']} episodes, "
                      f"{result['steps']} steps ({result['skipped']} partial episodes left out) at "
                      f"{result['path']}")

@@ -59,6 +59,9 @@ def _load_state(home: str) -> dict | None:
             return json.load(f)
     except FileNotFoundError:
         return None
+    except NotADirectoryError:
+        raise StackError(f"--home {home} is not a directory; pass the stack's directory "
+                         f"(default {DEFAULT_HOME})") from None
     except json.JSONDecodeError as e:
         raise StackError(f"{_state_path(home)} is not valid JSON ({e}); stop the processes it "
                          "listed by hand and delete it") from None
@@ -331,13 +334,16 @@ def _gpu_workers() -> int:
 def cmd_up(args) -> int:
     home = os.path.abspath(args.home)
     try:
-        _check_args(args)
+        _check_args(args)  # before anything is written or started
+        state = _load_state(home) or {}
+        comps = state.setdefault("components", {})
+        for name in COMPONENTS:  # every port that a start will need
+            if _process(comps.get(name)) is None:
+                _check_ports_free(name, args)
         os.makedirs(os.path.join(home, "logs"), exist_ok=True)
         with open(os.path.join(home, ".gitignore"), "w") as f:  # a database and logs, not code
             f.write("*\n")
-        state = _load_state(home) or {}
         state.update(home=home, root=ROOT)
-        comps = state.setdefault("components", {})
         # a shell without job control hands background jobs SIGINT=ignored, and exec keeps
         # that: Prefect (which turns SIGTERM into SIGINT) would then never stop
         if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
@@ -361,10 +367,7 @@ def cmd_up(args) -> int:
             if name == "dask-workers" and gpus is None:
                 gpus = _gpu_workers()
             cmd, info = _commands(name, home, state, args, gpus or 0)
-            for port, flag in _ports(name, args):
-                if not _port_free(port):
-                    raise StackError(f"port {port} for the {name} is in use by another process"
-                                     f"{_port_owner(port)}; stop it or choose another with {flag}")
+            _check_ports_free(name, args)
             api_url = comps["prefect-server"]["api_url"] if name != "prefect-server" else info["api_url"]
             entry = comps[name] = {**_spawn(home, name, cmd, _component_env(name, _base_env(home, api_url), state)),
                                    **info}
@@ -383,7 +386,20 @@ def cmd_up(args) -> int:
     return 0
 
 
+def _check_ports_free(name: str, args) -> None:
+    for port, flag in _ports(name, args):
+        if not _port_free(port):
+            raise StackError(f"port {port} for the {name} is in use by another process"
+                             f"{_port_owner(port)}; stop it or choose another with {flag}")
+
+
 def _check_args(args) -> None:
+    from flows.checks import InputError, check_writable_path
+
+    try:
+        check_writable_path(args.home, "--home", directory=True)
+    except InputError as e:
+        raise StackError(str(e)) from None
     ports = {"--prefect-port": args.prefect_port, "--scheduler-port": args.scheduler_port,
              "--dashboard-port": args.dashboard_port}
     for flag, port in ports.items():

@@ -8,19 +8,100 @@ stream shows overlapping: a Prefect task run per region would cost more than the
 
 from __future__ import annotations
 
+import contextlib
+import os
 import time
+import traceback
 from typing import Any, Callable
 
 from prefect import flow, get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
+from flows import checks
 from pipelines import cluster as clusters
 from pipelines import stages
 from pipelines.config import RunConfig, make_run_config
-from pipelines.dataflow import Dataflow, Placement, Watch
+from pipelines.dataflow import Dataflow, Placement, RunStopped, Watch
 
 # callables (iteration row) -> None; the CLI registers one to draw progress
 ITERATION_HOOKS: list[Callable[[dict], Any]] = []
+
+
+class StageError(RuntimeError):
+    """A stage failed inside a Dask task: one line naming the stage and the cause, and the
+    log file in the run dir that holds the full remote traceback."""
+
+
+# the functions of pipelines/stages.py that run as Dask tasks, and the stage each belongs to
+STAGES = {"prepare_run": "prepare", "collect": "collect", "train": "train", "policy_params": "train",
+          "save_checkpoint": "train", "evaluate": "evaluate"}
+
+
+def task_stage(error: BaseException) -> str | None:
+    """The stage whose Dask task raised `error` (its remote frames travel with it), or None
+    for an error raised here in the driver."""
+    for frame in traceback.extract_tb(error.__traceback__):
+        if frame.filename.endswith(os.path.join("pipelines", "stages.py")) and frame.name in STAGES:
+            return STAGES[frame.name]
+    return None
+
+
+def reported(error: BaseException) -> bool:
+    """Errors whose message is already the one-line answer with its fix: bad input, a failed
+    stage, a run that cannot go on."""
+    from marl.algos import ConfigError
+    from marl.envs import EnvError
+    from storage import StoreError
+
+    return isinstance(error, (ConfigError, EnvError, StoreError, checks.InputError, StageError, RunStopped))
+
+
+@contextlib.contextmanager
+def stage_errors(run_dir: str):
+    """Turns an error raised inside a stage's task into a StageError: its full traceback goes
+    to <run_dir>/logs/error-<time>.log, the user gets one line."""
+    try:
+        yield
+    except Exception as e:
+        stage = task_stage(e)
+        if stage is None or reported(e):
+            raise
+        path = os.path.join(os.path.abspath(run_dir), "logs", f"error-{time.strftime('%Y%m%d-%H%M%S')}.log")
+        try:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            with open(path, "a") as f:
+                f.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')}: the {stage} stage of {run_dir} failed\n")
+                f.write("".join(traceback.format_exception(e)))
+            where = f"full traceback in {path}"
+        except OSError as log_error:
+            where = f"its traceback could not be written to {path} ({log_error.strerror})"
+        cause = checks.one_line(e)
+        cause = cause if len(cause) <= 300 else cause[:297] + "..."  # the log has all of it
+        raise StageError(f"the {stage} stage failed: {type(e).__name__}: {cause}; {where}") from None
+
+
+def quiet_task_errors(client) -> None:
+    """Drops the workers' own "Compute Failed" dump of each failed task (its arguments and
+    traceback, a screenful per retry): the error reaches the user once, as a StageError
+    whose log holds the traceback. Every other worker log line stays. A worker plugin, so
+    workers that join later (restarts) get it too."""
+    from distributed.diagnostics.plugin import WorkerPlugin
+
+    class QuietTaskErrors(WorkerPlugin):  # defined here: pickled by value, nothing to import
+        name = "marl-quiet-task-errors"
+
+        def setup(self, worker):
+            import logging
+
+            log = logging.getLogger("distributed.worker")
+            if not any(getattr(f, "marl_quiet", False) for f in log.filters):
+                def drop(record):
+                    return not str(record.msg).startswith("Compute Failed")
+
+                drop.marl_quiet = True
+                log.addFilter(drop)
+
+    client.register_plugin(QuietTaskErrors())
 
 
 @task(name="prepare-run", cache_policy=NO_CACHE)
@@ -36,13 +117,21 @@ def marl_train(preset: str = "qmix-smac", env: str | None = None, env_steps: int
                collectors: int | None = None, seed: int | None = None, seeds: int | None = None,
                run_dir: str | None = None, overrides: dict[str, str] | None = None,
                scheduler_address: str | None = None, n_workers: int = 2) -> dict:
-    """Train `preset` (e.g. qmix-smac); resumes from the latest checkpoint in `run_dir`."""
-    logger = get_run_logger()
-    overrides = {**(overrides or {}), **({"n_seeds": seeds} if seeds else {})}
+    """Train `preset` (e.g. qmix-smac); resumes from the latest checkpoint in `run_dir`.
+
+    Every parameter is checked before a cluster starts or anything is written (ConfigError,
+    EnvError or InputError, one line); an error inside a stage's task is a StageError."""
+    if overrides is not None and not isinstance(overrides, dict):
+        raise checks.InputError(f"overrides={overrides!r} must be a dict of setting -> value, "
+                                "e.g. overrides={'lr': '0.001'}")
+    overrides = {**(overrides or {}), **({"n_seeds": seeds} if seeds is not None else {})}
     config = make_run_config(preset, env_id=env, total_env_steps=env_steps, n_collectors=collectors,
                              seed=seed, run_dir=run_dir, overrides=overrides)
+    checks.check_run(config, scheduler_address, n_workers)
+    logger = get_run_logger()
     cfg = config.to_dict()
-    with clusters.connect(scheduler_address, n_workers=n_workers) as client:
+    with clusters.connect(scheduler_address, n_workers=n_workers) as client, stage_errors(config.run_dir):
+        quiet_task_errors(client)
         where = Placement.on(client, config)
         dashboard = client.dashboard_link
         logger.info("Dask dashboard: %s", dashboard)

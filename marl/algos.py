@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import typing
 
 from marl import maddpg, mappo, qmix
@@ -23,10 +24,77 @@ class ConfigError(ValueError):
     """A bad algorithm name or override; the message names the fix."""
 
 
+@dataclasses.dataclass(frozen=True)
+class Range:
+    """The values a numeric setting may take: low..high, each end included unless open."""
+
+    low: float | None = None
+    high: float | None = None
+    low_open: bool = False  # low itself is not allowed (a rate of 0 learns nothing)
+
+    def admits(self, value) -> bool:
+        return (math.isfinite(value)
+                and (self.low is None or value > self.low or (value == self.low and not self.low_open))
+                and (self.high is None or value <= self.high))
+
+    def describe(self) -> str:
+        if self.low is not None and self.high is not None:
+            return f"in {'(' if self.low_open else '['}{self.low:g}, {self.high:g}]"
+        if self.low is not None:
+            return f"{'>' if self.low_open else '>='} {self.low:g}"
+        return "a finite number"
+
+
+AT_LEAST_1, AT_LEAST_0, POSITIVE = Range(1), Range(0), Range(0, low_open=True)
+FRACTION = Range(0, 1)  # discounts, lambdas, probabilities
+# Every numeric setting of every algorithm's Config, by name (a name means the same thing in
+# each algorithm); tests/test_bad_input.py checks that a new setting gets a line here.
+RANGES = {
+    **dict.fromkeys(("hidden", "mixer_embed", "hypernet_embed", "batch_size", "seq_len",
+                     "updates_per_region", "target_update_interval", "eps_decay_steps", "epochs",
+                     "minibatches", "n_step", "actor_every", "noise_decay_steps"), AT_LEAST_1),
+    **dict.fromkeys(("learning_starts", "anneal_lr_iterations", "ent_coef", "vf_coef", "actor_reg",
+                     "noise_start", "noise_end"), AT_LEAST_0),
+    **dict.fromkeys(("lr", "actor_lr", "critic_lr", "max_grad_norm", "clip_eps", "value_clip_eps",
+                     "gumbel_temperature"), POSITIVE),
+    **dict.fromkeys(("gamma", "td_lambda", "gae_lambda", "eps_start", "eps_end"), FRACTION),
+    "tau": Range(0, 1, low_open=True),
+    "log_std_init": Range(),
+}
+# the string settings, and the values each may take
+CHOICES = {"mixer": tuple(qmix.MIXERS), "critic": tuple(mappo.CRITICS), "activation": tuple(mappo.ACTIVATIONS)}
+# settings that shape the networks: a checkpoint restores only into the same shapes
+NETWORK = ("mixer", "hidden", "mixer_embed", "hypernet_embed", "critic", "recurrent", "activation",
+           "twin_critics", "share_params", "learned_std")
+
+
 def config_for(algo: str, overrides: dict | None = None):
+    """The algorithm's Config with `overrides` applied, every value checked against RANGES
+    and CHOICES (ConfigError naming the setting and a valid value)."""
     module = module_for(algo)
     defaults = dataclasses.replace(module.Config(), **ALGORITHMS[algo][1])
-    return apply_overrides(defaults, overrides or {}, where=algo)
+    config = apply_overrides(defaults, overrides or {}, where=algo)
+    for field in dataclasses.fields(config):
+        key, value = field.name, getattr(config, field.name)
+        example = getattr(defaults, key)
+        if key in CHOICES and value not in CHOICES[key]:
+            raise ConfigError(f"setting {key}={value!r} is not one of {', '.join(CHOICES[key])}; "
+                              f"e.g. --set {key}={example}")
+        if key in RANGES and not isinstance(value, bool) and not RANGES[key].admits(value):
+            raise ConfigError(f"setting {key}={value!r} must be {RANGES[key].describe()}; "
+                              f"e.g. --set {key}={example}")
+    return config
+
+
+def check_env(algo: str, spec: EnvSpec) -> None:
+    """ConfigError where `algo` cannot act in the env's action space (QMIX and its relatives
+    pick discrete actions only)."""
+    space = "discrete" if spec.discrete else "continuous"
+    if space not in module_for(algo).ACTION_SPACES:
+        fits = sorted(name for name, (module, _) in ALGORITHMS.items() if space in module.ACTION_SPACES)
+        raise ConfigError(f"{algo} needs {' or '.join(module_for(algo).ACTION_SPACES)} actions and "
+                          f"{spec.env_id} has {space} ones; use {', '.join(fits)} for this env, "
+                          "or another env")
 
 
 def module_for(algo: str):

@@ -40,6 +40,7 @@ from marl.envs import EnvSpec
 from marl.learner import Learner
 
 MASKED_LOGIT = -1e9  # an unavailable discrete action's logit: zero probability, never argmax
+ACTION_SPACES = ("discrete", "continuous")  # Gumbel-softmax actors for discrete ones
 LOG_STD_MIN, LOG_STD_MAX = -10.0, 2.0  # learned_std: keeps exp(log std) finite early on
 
 

@@ -62,6 +62,7 @@ class Config:
 
 
 CRITICS = ("central", "local")
+ACTION_SPACES = ("discrete", "continuous")
 ACTIVATIONS = {"tanh": nn.tanh, "relu": nn.relu}
 MASKED = -1e9  # logit of an unavailable action: probability exactly 0 in float32, no NaN
 

@@ -50,6 +50,9 @@ class Config:
     learning_starts: int = 5_000  # env steps in the store before the first update
 
 
+ACTION_SPACES = ("discrete",)  # one Q-value per action
+
+
 # --------------------------------------------------------------------------- networks
 
 

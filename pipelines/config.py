@@ -236,7 +236,8 @@ def make_run_config(preset: str, *, env_id: str | None = None, total_env_steps: 
     for key in ("total_env_steps", "n_collectors", "envs_per_collector", "steps_per_region", "n_seeds",
                 "buffer_transitions", "eval_every", "eval_episodes", "checkpoint_every"):
         if getattr(config, key) < 1:
-            raise ConfigError(f"setting {key}={getattr(config, key)} must be >= 1")
+            example = PRESETS[preset].get(key, getattr(RunConfig, key))
+            raise ConfigError(f"setting {key}={getattr(config, key)} must be >= 1; e.g. --set {key}={example}")
     if not 0 < config.replay_memory_fraction <= 1:
         raise ConfigError(f"setting replay_memory_fraction={config.replay_memory_fraction} must be in "
                           "(0, 1]: the share of the learner worker's memory its replay may take")
@@ -252,4 +253,25 @@ def make_run_config(preset: str, *, env_id: str | None = None, total_env_steps: 
     if n_step is not None and not 1 <= n_step < config.steps_per_region:
         raise ConfigError(f"n_step={n_step} must be at least 1 and below steps_per_region="
                           f"{config.steps_per_region}: n-step windows lie inside one region")
+    # the rest would only fail inside a task, after the cluster started, or train nonsense
+    if not 0 <= config.seed <= SEED_MAX:
+        raise ConfigError(f"setting seed={config.seed} must be in 0..{SEED_MAX}; e.g. --seed 0")
+    if not 0 <= config.max_wall_s < float("inf"):
+        raise ConfigError(f"setting max_wall_s={config.max_wall_s} must be >= 0 seconds (0: no limit); "
+                          "e.g. --set max_wall_s=3600")
+    if not all(r.strip().isdigit() for r in config.fail_regions_once.split(",") if r.strip()):
+        raise ConfigError(f"setting fail_regions_once={config.fail_regions_once!r} must list region "
+                          "ids, e.g. --set fail_regions_once=3,5")
+    if not isinstance(config.env_kwargs, dict):
+        raise ConfigError(f"setting env_kwargs={config.env_kwargs!r} must be a JSON object; "
+                          "e.g. --set env_kwargs='{\"max_steps\": 50}'")
+    minibatches = getattr(algo_config, "minibatches", None)
+    envs_per_update = config.n_collectors * config.envs_per_collector
+    if minibatches is not None and envs_per_update % minibatches:
+        raise ConfigError(f"minibatches={minibatches} does not divide the {envs_per_update} envs of one "
+                          f"update (n_collectors={config.n_collectors} x envs_per_collector="
+                          f"{config.envs_per_collector}); pick a divisor, e.g. --set minibatches=1")
     return config
+
+
+SEED_MAX = 2_000_000_000  # within jax's 32-bit seeds, with room for the evaluation offset

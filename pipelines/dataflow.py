@@ -249,11 +249,13 @@ class Dataflow:
                 while self.pending and self._ready(self.pending[0]):
                     rows.append(self._row(self.pending.popleft()))
                     on_row(rows[-1])
-        finally:
-            for it in self.pending:  # an error: leave nothing running on the cluster
-                for f in (it.metrics, it.evaluation):
-                    if f is not None:
-                        f.cancel()
+        except BaseException:
+            # an error: drop the pending futures, so the cluster runs nothing more of this run
+            # once the dataflow is gone. Not Future.cancel: distributed's scheduler then trips an
+            # assertion (a screenful of traceback) on cancelled tasks whose dependents no client holds
+            self.pending.clear()
+            self.params.clear()
+            raise
         last = rows[-1]["iteration"] - 1 if rows else None
         if last is not None and "test_win_rate" not in rows[-1]:
             # stopped by the wall-time limit between evaluations: score the last params
