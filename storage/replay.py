@@ -5,8 +5,12 @@ Layout of one store (a Zarr v3 group at ``path``)::
     zarr.json                 group attributes: schema_version, env_id, env_spec, algorithm,
                               seed, config, n_envs, steps_per_region, n_slots, fields
     <field>/                  one array per field, shape (n_slots*T, n_envs, *field.shape),
-                              chunks (T, n_envs, *field.shape): one region == one chunk,
-                              dimension_names ("step", "env", *field.dims)
+                              chunks (t, n_envs, *field.shape) with t the largest divisor of
+                              T whose chunk holds at most CHUNK_BYTES: a region is T/t whole
+                              chunks (one chunk for a CPU run's small regions), encoded and
+                              written in parallel; dimension_names ("step", "env", *field.dims);
+                              codec zstd level 0 (chosen by bench/write_throughput.py), every
+                              chunk written (also one equal to the fill value)
     region/ iteration/ collector/ param_version/
                               int64 (step,), chunk T, fill -1: who wrote each step
     commit/                   int64 (slot,), chunk 1, fill -1: region id committed in each slot
@@ -23,9 +27,15 @@ region, so many processes can commit different slots at once.
 
 Write protocol for region r in slot s = r % n_slots:
   1. commit[s] = -1 (the slot is no longer readable), trained_version[s] = -1,
-  2. write every field's chunk for slot s,
-  3. write the slot's coordinates (region, iteration, collector, param_version),
-  4. commit[s] = r, then the marker file commits/<r> (tmp file + os.replace).
+  2. write every field's chunks for slot s and the slot's coordinates (region, iteration,
+     collector, param_version), every chunk of every array at once (one gather on zarr's
+     event loop, whose thread pool encodes and stores the chunks; zstd releases the GIL),
+  3. commit[s] = r, then the marker file commits/<r> (tmp file + os.replace).
+Each step's files are on disk before the next step starts: a writable store writes every
+file to a temp file, fsyncs it, renames it into place and fsyncs its directory (zarr's own
+LocalStore does the rename but no fsync), so not even a power loss can leave a commit on
+disk whose data are not (``durable=False`` skips the fsyncs: a killed process still leaves
+no torn file, a power loss may). Chunk files are replaced whole, never patched in place.
 A reader trusts slot s for region r only if the slot's ``region`` coordinates all equal r
 *and then* commit[s] == r; reads of data re-check commit[s] afterwards. The learner marks
 a committed region trained (trained_version[s] = v) only while the slot holds it and only
@@ -38,15 +48,18 @@ a collector restart, which resets its envs without an end).
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import uuid
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Mapping
 
 import numpy as np
 import zarr
+from zarr.core.sync import sync  # runs a coroutine on zarr's own event loop
+from zarr.storage import LocalStore
 
 SCHEMA_VERSION = 2  # 2: first/terminated/truncated instead of done; trained_version
 
@@ -60,6 +73,18 @@ HISTORY = "commits"
 _RESERVED_NAMES = frozenset(COORDS) | {COMMIT, TRAINED, HISTORY}
 _RESERVED_DIMS = frozenset({STEP_DIM, ENV_DIM, SLOT_DIM})
 _STORE_KEYS = ("schema_version", "n_envs", "steps_per_region", "n_slots", "fields")
+# Largest uncompressed chunk of a field. Smaller chunks let many cores encode one region at
+# once (a GPU run's regions are GBs); on 2 cores 16 MiB and whole-region chunks measured the
+# same and 1 MiB chunks at half the speed (per-chunk overhead), see bench/write_throughput.py.
+CHUNK_BYTES = 16 * 2**20
+# zstd at its default level (0 = 3), zarr's default: SMAX regions about 16x smaller; on 2
+# cores as fast as blosc-lz4 with shuffle (5x) and zstd 1 (12x), faster than no compression
+# once the bytes must reach the disk; blosc-lz4 without shuffle wrote 1.5x faster but kept
+# 2.3x the bytes (bench/write_throughput.py, BENCHMARKS.md)
+CODEC = (zarr.codecs.ZstdCodec(level=0),)
+# zarr's all-equal-to-fill scan of every chunk before writing it cost more than zstd itself;
+# and a committed region then has every chunk on disk
+_WRITE_CONFIG = {"write_empty_chunks": True}
 
 
 class StoreError(ValueError):
@@ -159,6 +184,73 @@ def _fmt_regions(regions: list[int]) -> str:
     return f"{regions[0]}..{regions[-1]} ({len(regions)} regions)"
 
 
+def _open_group(path: str, mode: str, durable: bool) -> zarr.Group:
+    store = _DurableLocalStore(path) if mode == "r+" and durable else path
+    return zarr.open_group(store, mode=mode, zarr_format=3)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _put_durable(path: Path, data) -> None:
+    """Writes one file so that it is on disk, under its name, when this returns."""
+    created = []  # directories this write makes: their entries must reach the disk too
+    parent = path.parent
+    while not parent.exists():
+        created.append(parent)
+        parent = parent.parent
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".{uuid.uuid4().hex}.partial")  # zarr's own temp-file naming
+    try:
+        with open(tmp, "wb") as fh:
+            fh.write(data)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    for directory in (path.parent, *(d.parent for d in created)):
+        _fsync_dir(directory)
+
+
+class _DurableLocalStore(LocalStore):
+    """zarr's LocalStore whose `set` returns only once the file is on disk (see the module
+    docstring): the replay store's writers use it, readers need nothing special."""
+
+    async def set(self, key: str, value) -> None:
+        if not self._is_open:
+            await self._open()
+        self._check_writable()
+        await asyncio.to_thread(_put_durable, self.root / key, value.as_buffer_like())
+
+
+async def _gather(awaitables):
+    # every write ends before an error is raised: a retry must not race a leftover write
+    results = await asyncio.gather(*awaitables, return_exceptions=True)
+    for result in results:
+        if isinstance(result, BaseException):
+            raise result
+    return results
+
+
+def steps_per_chunk(steps_per_region: int, n_envs: int, field: "Field",
+                    chunk_bytes: int = CHUNK_BYTES) -> int:
+    """The largest divisor of steps_per_region whose chunk of `field` holds at most
+    `chunk_bytes` (at least 1 step), so a region is whole chunks along the step axis."""
+    step_bytes = n_envs * int(np.prod(field.shape, dtype=np.int64)) * np.dtype(field.dtype).itemsize
+    best = 1
+    for t in range(1, steps_per_region + 1):
+        if steps_per_region % t == 0 and t * step_bytes <= chunk_bytes:
+            best = t
+    return best
+
+
 class ReplayStore:
     """A bounded ring of chunk-aligned regions of (step, env, ...) data in one Zarr v3 group."""
 
@@ -191,8 +283,9 @@ class ReplayStore:
                     f"replay store at {path} is incomplete (no array {name!r}); it may be an "
                     f"interrupted create, remove it or use a new path"
                 )
-            self._arrays[name] = node
+            self._arrays[name] = node.with_config(_WRITE_CONFIG) if mode == "r+" else node
         self._history_dir = os.path.join(path, HISTORY)
+        self._durable = isinstance(group.store, _DurableLocalStore)
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -205,9 +298,16 @@ class ReplayStore:
         steps_per_region: int,
         n_slots: int,
         attrs: dict,
+        chunk_bytes: int = CHUNK_BYTES,
+        durable: bool = True,
+        compressors=None,
     ) -> "ReplayStore":
+        """A new, empty store at `path` (a new or empty directory). Each field's chunks hold
+        at most `chunk_bytes` (see steps_per_chunk) and are compressed with `compressors`
+        (zarr codecs; default CODEC); `durable` as in open()."""
         path = os.fspath(path)
         n_envs = _positive_int(n_envs, "n_envs")
+        chunk_bytes = _positive_int(chunk_bytes, "chunk_bytes")
         T = _positive_int(steps_per_region, "steps_per_region")
         n_slots = _positive_int(n_slots, "n_slots")
         if not isinstance(fields, Mapping) or not fields:
@@ -254,8 +354,9 @@ class ReplayStore:
             group.create_array(
                 name,
                 shape=(n_slots * T, n_envs, *f.shape),
-                chunks=(T, n_envs, *f.shape),
+                chunks=(steps_per_chunk(T, n_envs, f, chunk_bytes), n_envs, *f.shape),
                 dtype=f.dtype,
+                compressors=CODEC if compressors is None else compressors,
                 fill_value=False if f.dtype == "bool" else 0,
                 dimension_names=(STEP_DIM, ENV_DIM, *f.dims),
             )
@@ -299,10 +400,13 @@ class ReplayStore:
                 "fields": {name: f.to_json() for name, f in fields.items()},
             }
         )
-        return cls(path, zarr.open_group(path, mode="r+", zarr_format=3), "r+")
+        return cls(path, _open_group(path, "r+", durable), "r+")
 
     @classmethod
-    def open(cls, path, mode: str = "r") -> "ReplayStore":
+    def open(cls, path, mode: str = "r", durable: bool = True) -> "ReplayStore":
+        """An existing store; mode "r" or "r+". A store opened "r+" with `durable` (the
+        default) fsyncs every file it writes before the next protocol step (see the module
+        docstring); durable=False leaves that to the OS."""
         path = os.fspath(path)
         if mode not in ("r", "r+"):
             raise StoreError(f"mode must be 'r' or 'r+', got {mode!r}")
@@ -317,7 +421,7 @@ class ReplayStore:
                 f"ReplayStore.create"
             )
         try:
-            group = zarr.open_group(path, mode=mode, zarr_format=3)
+            group = _open_group(path, mode, durable)
         except Exception as e:  # zarr raises several kinds for "not a v3 group"
             raise StoreError(
                 f"{path} is not a replay store ({type(e).__name__}: {e}); check the path or "
@@ -341,9 +445,12 @@ class ReplayStore:
         path = os.fspath(path)
         if not _has_zarr_json(path):
             return cls.create(path, **create_kwargs)
+        durable = create_kwargs.pop("durable", True)
+        for layout in ("chunk_bytes", "compressors"):  # an existing store keeps its own
+            create_kwargs.pop(layout, None)
         existing = cls.open(path, mode="r")
         existing._check_matches(**create_kwargs)
-        return cls.open(path, mode="r+")
+        return cls.open(path, mode="r+", durable=durable)
 
     def _check_matches(
         self,
@@ -440,32 +547,35 @@ class ReplayStore:
                 f"replay store at {self.path} is open read-only; open it with mode='r+' to write"
             )
 
+    def _set_all(self, writes: dict[str, tuple[Any, Any]]) -> None:
+        """{array: (selection, value)} written at once: one trip to zarr's event loop, which
+        encodes and stores every chunk of every array concurrently on its thread pool (a
+        thread per array costs more than the write itself for a CPU run's small regions)."""
+        sync(_gather([self._arrays[name].async_array.setitem(sel, value)
+                      for name, (sel, value) in writes.items()]))
+
     def _mark_uncommitted(self, slot: int) -> None:
-        self._arrays[COMMIT][slot] = -1
-        self._arrays[TRAINED][slot] = -1  # the region that comes is not trained on yet
+        # trained_version too: the region that comes is not trained on yet
+        self._set_all({COMMIT: (slot, -1), TRAINED: (slot, -1)})
 
-    def _write_fields(self, slot: int, arrays: dict[str, np.ndarray]) -> None:
+    def _write_fields(self, slot: int, arrays: dict[str, np.ndarray], values: dict[str, int]) -> None:
+        """Every field's chunks and the coordinates of the slot."""
         steps = self._steps(slot)
-        # one whole chunk per field; the fields are independent arrays, so they are encoded
-        # and written concurrently (zstd releases the GIL), which matters for large regions
-        with ThreadPoolExecutor(max_workers=min(len(arrays), os.cpu_count() or 1)) as pool:
-            futures = [pool.submit(self._arrays[name].__setitem__, steps, arr)
-                       for name, arr in arrays.items()]
-            for future in futures:
-                future.result()
-
-    def _write_coords(self, slot: int, values: dict[str, int]) -> None:
-        steps = self._steps(slot)
-        for name in COORDS:
-            self._arrays[name][steps] = np.full(self.steps_per_region, values[name], dtype=np.int64)
+        coords = {name: (steps, np.full(self.steps_per_region, values[name], dtype=np.int64))
+                  for name in COORDS}
+        self._set_all({**{name: (steps, arr) for name, arr in arrays.items()}, **coords})
 
     def _commit(self, slot: int, region_id: int, values: dict[str, int]) -> None:
         self._arrays[COMMIT][slot] = region_id  # one chunk per slot, written atomically by zarr
-        os.makedirs(self._history_dir, exist_ok=True)
+        marker = json.dumps({**values, "slot": slot}).encode()
         final = os.path.join(self._history_dir, str(region_id))
+        if self._durable:
+            _put_durable(Path(final), marker)
+            return
+        os.makedirs(self._history_dir, exist_ok=True)
         tmp = os.path.join(self._history_dir, f".{region_id}.{uuid.uuid4().hex}.tmp")
-        with open(tmp, "w") as fh:
-            json.dump({**values, "slot": slot}, fh)
+        with open(tmp, "wb") as fh:
+            fh.write(marker)
         os.replace(tmp, final)
 
     def write_region(
@@ -491,15 +601,15 @@ class ReplayStore:
         }
         arrays = self._validate(region_id, data)
         slot = self.slot_of(region_id)
-        held = max(int(self._arrays[COMMIT][slot]), int(self._arrays["region"][slot * self.steps_per_region]))
+        held = max(int(v) for v in sync(_gather([self._arrays[COMMIT].async_array.getitem(slot),
+            self._arrays["region"].async_array.getitem(slot * self.steps_per_region)])))
         if held > region_id:
             raise StoreError(
                 f"region {region_id} maps to slot {slot}, which already holds newer region {held}; "
                 f"a stale task must not overwrite it (raise n_slots or keep fewer regions in flight)"
             )
         self._mark_uncommitted(slot)
-        self._write_fields(slot, arrays)
-        self._write_coords(slot, values)
+        self._write_fields(slot, arrays, values)
         self._commit(slot, region_id, values)
         return slot
 
