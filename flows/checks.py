@@ -188,5 +188,5 @@ def check_run(config, scheduler_address=None, n_workers=2) -> None:
     if scheduler_address is None and os.environ.get(SCHEDULER_ENV):  # what connect() would use
         check_scheduler(os.environ[SCHEDULER_ENV], flag=f"${SCHEDULER_ENV}")
     check_run_dir(config.run_dir)
+    check_env(config)  # before the resume check: an env that does not exist says so
     check_resume(config)
-    check_env(config)

@@ -97,7 +97,7 @@ def test_unknown_suite_is_refused_before_anything_runs(capsys):
     nightly = [s.name for s in select_suites(None)]
     assert "qmix-3m" in nightly and SUITE not in nightly
     assert main(["benchmark", "--suites", "qmix-9m"]) == 2
-    assert "unknown benchmark suite 'qmix-9m'" in capsys.readouterr().out
+    assert "unknown benchmark suite 'qmix-9m'" in capsys.readouterr().err
     with pytest.raises(SystemExit) as exit_:
         main(["benchmark", "--help"])
     assert exit_.value.code == 0 and "--env-steps" in capsys.readouterr().out

@@ -6,11 +6,12 @@ import os
 import numpy as np
 import pytest
 
+from flows.checks import InputError
 from marl.algos import ConfigError
 from marl.envs import EnvError
 from pipelines import stages
 from pipelines.config import make_run_config
-from storage import ReplayStore, StoreError, open_replay
+from storage import ReplayStore, open_replay
 
 TINY = "qmix-smac-tiny"
 
@@ -115,7 +116,7 @@ def test_flow_resumes_from_its_checkpoint(first_run, dask_cluster):
     (dict(preset="qmix-smax"), ConfigError, "unknown preset 'qmix-smax'"),
     (dict(overrides={"lrr": "1"}), ConfigError, "unknown setting 'lrr'"),
     (dict(overrides={"hidden": "wide"}), ConfigError, "not a valid int"),
-    (dict(env="smax:2s3z"), StoreError, "was made for env smax:3m"),
+    (dict(env="smax:2s3z"), InputError, "have env_id=smax:3m; want env_id=smax:2s3z"),
 ])
 def test_bad_input_is_refused_and_the_store_stays_readable(first_run, dask_cluster, kwargs, error, words):
     from flows.train import marl_train
@@ -145,4 +146,4 @@ def test_cli_trains_and_reports_paths(tmp_path, prefect_server, dask_cluster, ca
     info = capsys.readouterr().out
     assert "env smax:3m" in info and "4 regions" in info
     assert main(["train", "no-such-preset"]) == 2
-    assert "unknown preset 'no-such-preset'" in capsys.readouterr().out
+    assert "unknown preset 'no-such-preset'" in capsys.readouterr().err
