@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import sys
 import threading
 import time
 from typing import Any
@@ -143,10 +144,20 @@ class RunParts:
         return cls(config, env, single, seeds.vmap_seeds(single, config.n_seeds))
 
 
+# Regions of one collector being written while its next region rolls out: host memory stays
+# at most (1 + this) regions per collector, and writes of one collector land in order.
+PENDING_WRITES = 1
+
+
 @dataclasses.dataclass
 class CollectorState:
     """One collector's compiled rollout and its envs mid-episode (episodes run on across
-    regions); `next_iteration` is the iteration its envs' state is ready for."""
+    regions); `next_iteration` is the iteration its envs' state is ready for.
+
+    `rollout_lock` is held for a rollout and its host copy only; `retry_from` keeps the envs'
+    state before each iteration whose task has not finished, so a retry rolls out the same
+    bytes again even after the next iteration's rollout has moved the envs on; `writes` bounds
+    the regions being written (PENDING_WRITES)."""
 
     parts: RunParts
     store: ReplayStore
@@ -154,6 +165,10 @@ class CollectorState:
     collect: Any
     rollout_state: Any = None
     next_iteration: int = -1
+    retry_from: dict = dataclasses.field(default_factory=dict)
+    rollout_lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
+    writes: threading.BoundedSemaphore = dataclasses.field(
+        default_factory=lambda: threading.BoundedSemaphore(PENDING_WRITES))
 
 
 @dataclasses.dataclass
@@ -238,36 +253,69 @@ def collect(config, collector: int, iteration: int, params, param_version: int,
             env_steps: int) -> dict:
     """Region `iteration * n_collectors + collector`: T steps of N envs acting with the
     policy `params` (of learner version `param_version`), written to its ring slot and
-    committed. A retried task rewrites exactly its own region, with the same bytes: the
-    envs' state advances only once the region is committed.
+    committed; returns once it is committed.
 
-    Returns the region's episode stats and where the time went (rollout, host copy, Zarr
-    write and commit).
+    Off the critical path: the envs move on as soon as the rollout is copied to the host,
+    and inside a Dask worker the task then leaves the worker's thread pool (`secede`) to
+    write, so the worker starts the next task (the next region's rollout) meanwhile; at most
+    PENDING_WRITES regions of a collector wait for the disk. A retried task rewrites exactly
+    its own region, with the same bytes (it rolls out again from `retry_from`).
+
+    Returns the region's episode stats and where the time went (rollout, host copy, waiting
+    for an earlier region's write, Zarr write and commit).
     """
     config = as_config(config)
     state = _state("collect", config, lambda parts: _new_collector(config, parts), collector)
-    if state.next_iteration != iteration:
-        # a fresh worker or a resumed run: start new episodes (the store marks them `first`) from a key of this iteration
-        key = jax.random.fold_in(jax.random.fold_in(jax.random.PRNGKey(config.seed), collector), iteration)
-        state.rollout_state = state.init(key)
     region_id = iteration * config.n_collectors + collector
     started = time.perf_counter()
-    explore = state.parts.learner.exploration(jnp.float32(env_steps))
-    rstate, data, stats = state.collect(params, state.rollout_state, explore)
-    jax.block_until_ready(data)
-    rolled = time.perf_counter()
-    data = _to_numpy(data)
-    copied = time.perf_counter()
-    state.store.write_region(region_id, data, iteration=iteration, collector=collector,
-                             param_version=param_version)
+    with state.rollout_lock:
+        retry = state.retry_from.get(iteration)
+        if retry is not None:
+            before = retry
+        elif state.next_iteration == iteration:
+            before = state.rollout_state
+        else:
+            # a fresh worker or a resumed run: start new episodes (the store marks them `first`) from a key of this iteration
+            key = jax.random.fold_in(jax.random.fold_in(jax.random.PRNGKey(config.seed), collector), iteration)
+            before = state.init(key)
+        explore = state.parts.learner.exploration(jnp.float32(env_steps))
+        rstate, data, stats = state.collect(params, before, explore)
+        jax.block_until_ready(data)
+        rolled = time.perf_counter()
+        data, stats = _to_numpy(data), _scalars(stats)
+        copied = time.perf_counter()
+        if retry is None:
+            state.retry_from[iteration] = before
+            state.rollout_state, state.next_iteration = rstate, iteration + 1
+    with state.writes:
+        waited = time.perf_counter()
+        _leave_worker_thread_pool()
+        state.store.write_region(region_id, data, iteration=iteration, collector=collector,
+                                 param_version=param_version)
     written = time.perf_counter()
     _maybe_fail(config, region_id)
-    state.rollout_state, state.next_iteration = rstate, iteration + 1
-    return {**_scalars(stats), "region": region_id, "collector": collector, "iteration": iteration,
+    with state.rollout_lock:
+        state.retry_from.pop(iteration, None)
+    return {**stats, "region": region_id, "collector": collector, "iteration": iteration,
             "param_version": param_version,
             "steps": config.envs_per_collector * config.steps_per_region,
             "rollout_s": rolled - started, "host_copy_s": copied - rolled,
-            "write_s": written - copied, "collect_s": written - started}
+            "write_wait_s": waited - copied, "write_s": written - waited,
+            "collect_s": written - started}
+
+
+def _leave_worker_thread_pool():
+    """Inside a Dask task: give this task's slot in the worker's thread pool back, so the
+    worker starts its next task while this one writes (distributed.secede); a no-op when
+    the stage is called as a plain function."""
+    dask_distributed = sys.modules.get("distributed")  # never imported: not a Dask worker
+    if dask_distributed is None:
+        return
+    try:
+        dask_distributed.get_worker()
+    except ValueError:  # not inside a Dask task
+        return
+    dask_distributed.secede()
 
 
 def _maybe_fail(config: RunConfig, region_id: int):
