@@ -3,6 +3,11 @@
 The Zarr store on disk is the truth; a learner copies each newly committed region into
 `arrays[slot]` ([n_slots, T, N, ...]) once and then samples thousands of batches without
 touching disk. `valid[slot]` says which slots hold a committed region.
+
+With S seeds in one learner (marl/seeds.py) the mirror keeps each seed's envs apart,
+[S, n_slots, T, N/S, ...], so the vmapped learner trains on seed s's block in place: an
+[n_slots, T, S*N, ...] mirror would be split into a second, transposed copy of the whole ring
+on every train call.
 """
 
 from __future__ import annotations
@@ -12,17 +17,26 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 
+from marl.seeds import split_envs
 
-def empty(fields: dict[str, tuple[tuple[int, ...], str]], n_slots: int, steps: int, n_envs: int):
-    arrays = {name: jnp.zeros((n_slots, steps, n_envs, *shape), dtype)
-              for name, (shape, dtype) in fields.items()}
+
+def empty(fields: dict[str, tuple[tuple[int, ...], str]], n_slots: int, steps: int, n_envs: int,
+          n_seeds: int = 1):
+    """An empty mirror for regions of `n_envs` envs (all seeds' together)."""
+    lead = (n_slots, steps, n_envs) if n_seeds == 1 else (n_seeds, n_slots, steps, n_envs // n_seeds)
+    arrays = {name: jnp.zeros((*lead, *shape), dtype) for name, (shape, dtype) in fields.items()}
     return arrays, jnp.zeros((n_slots,), bool)
 
 
-@partial(jax.jit, donate_argnums=(0, 1))
-def insert(arrays, valid, slot, region):
-    """Writes one region into `slot` in place (the old arrays are donated: ~1 s -> ms)."""
-    arrays = {k: v.at[slot].set(region[k].astype(v.dtype)) for k, v in arrays.items()}
+@partial(jax.jit, donate_argnums=(0, 1), static_argnames=("n_seeds",))
+def insert(arrays, valid, slot, region, n_seeds: int = 1):
+    """Writes one region ([T, n_envs, ...] per field) into `slot` in place (the old arrays
+    are donated: ~1 s -> ms)."""
+    if n_seeds == 1:
+        arrays = {k: v.at[slot].set(region[k].astype(v.dtype)) for k, v in arrays.items()}
+    else:
+        arrays = {k: v.at[:, slot].set(split_envs(region[k], n_seeds, axis=1).astype(v.dtype))
+                  for k, v in arrays.items()}
     return arrays, valid.at[slot].set(True)
 
 

@@ -3,8 +3,9 @@
 The wrapped learner holds S train states stacked on a leading axis. Its policy runs S*N
 envs, the envs of seed s being the block [s*N, (s+1)*N): `act` splits the batch into
 seeds, runs each seed's policy on its own envs under `vmap`, and joins them again, so the
-collectors and the replay store see ordinary [T, S*N, ...] regions. `train` splits the
-replay's env axis the same way and updates every seed on its own data in one jitted call.
+collectors and the replay store see ordinary [T, S*N, ...] regions. `train` takes a replay
+mirror that keeps the seeds apart (marl/buffer.py) and updates every seed on its own data
+in one jitted call.
 Seeds never share data, parameters or randomness.
 """
 
@@ -50,9 +51,10 @@ def vmap_seeds(learner: Learner, n_seeds: int) -> Learner:
         return join(actions), join(carry), join(extras)
 
     def train(train_state, arrays, valid, n_updates: int):
-        # arrays [slot, T, S*N, ...] -> [S, slot, T, N, ...]; every seed sees the same slots
+        # arrays: a mirror with the seeds apart, [S, slot, T, N, ...] (buffer.empty(n_seeds=S));
+        # every seed sees the same slots
         per_seed = jax.vmap(lambda state, seed_arrays: learner.train(state, seed_arrays, valid, n_updates))
-        return per_seed(train_state, split(arrays, 2))
+        return per_seed(train_state, arrays)
 
     def score(train_state, batch):
         # windows [S*B, L, ...] where each seed's envs are a block of the batch

@@ -85,9 +85,7 @@ def prepare_run(config, memory_limit: int | None = None) -> dict:
     config = as_config(config)
     env = envs.make(config.env_id, **config.env_kwargs)
     learner = algos.make_learner(config.algo, env.spec, config.algo_config())
-    limit = memory_limit or os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    memory = lambda c: replay_memory(c, replay_fields(env.spec, learner), learner.on_policy,
-                                     getattr(learner.config, "learning_starts", 0), limit)
+    memory = lambda c: learner_memory(c, env.spec, learner, memory_limit)
     requested, ring = config.buffer_transitions, _stored_ring(config)
     if ring is not None:  # a resumed run keeps the ring it was fitted to
         config = dataclasses.replace(config, buffer_transitions=ring)
@@ -105,6 +103,14 @@ def prepare_run(config, memory_limit: int | None = None) -> dict:
         return {**start, "config": config.to_dict(), "replay_note": note}
     finally:
         checkpoints.close()
+
+
+def learner_memory(config: RunConfig, spec: envs.EnvSpec, learner, memory_limit: int | None = None):
+    """The learner's replay bytes for `config` against its budget (pipelines.memory); the
+    worker's `memory_limit` in bytes, default this machine's memory."""
+    limit = memory_limit or os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return replay_memory(config, replay_fields(spec, learner), learner.on_policy,
+                         getattr(learner.config, "learning_starts", 0), limit)
 
 
 def _stored_ring(config: RunConfig) -> int | None:
@@ -345,7 +351,8 @@ def _new_learner(config: RunConfig, parts: RunParts) -> LearnerState:
     fields = {name: (f.shape, f.dtype) for name, f in replay_fields(spec, learner).items()}
     # an on-policy learner's mirror holds just one iteration's regions
     n_slots = config.n_collectors if learner.on_policy else config.n_slots
-    arrays, valid = buffer.empty(fields, n_slots, config.steps_per_region, config.envs_per_region)
+    arrays, valid = buffer.empty(fields, n_slots, config.steps_per_region, config.envs_per_region,
+                                 config.n_seeds)
     return LearnerState(parts, open_store(config, spec), checkpoints, train_state, dict(meta),
                         arrays, valid, {})
 
@@ -385,7 +392,8 @@ def _mirror(state: LearnerState, config: RunConfig, iteration: int, region_ids: 
             if region_id in region_ids:
                 raise  # a region this call must train on is gone: the ring is too small
             continue  # an old region overwritten by the ring between listing and reading
-        state.arrays, state.valid = buffer.insert(state.arrays, state.valid, slot, region)
+        state.arrays, state.valid = buffer.insert(state.arrays, state.valid, slot, region,
+                                                  n_seeds=config.n_seeds)
         state.mirrored[slot] = region_id
         new += 1
     return new

@@ -264,6 +264,17 @@ def test_sampling_only_touches_committed_slots():
     assert bool(jnp.all(batch["x"] == 7))
 
 
+def test_a_mirror_of_several_seeds_keeps_each_seeds_envs_apart():
+    # seed s owns envs [s*N, (s+1)*N) of a region; the mirror holds them at arrays[s]
+    arrays, valid = buffer.empty({"x": ((), "int32")}, n_slots=3, steps=2, n_envs=6, n_seeds=3)
+    assert arrays["x"].shape == (3, 3, 2, 2)
+    region = {"x": jnp.arange(12, dtype=jnp.int32).reshape(2, 6)}  # [T, S*N]
+    arrays, valid = buffer.insert(arrays, valid, 1, region, n_seeds=3)
+    for s in range(3):
+        np.testing.assert_array_equal(arrays["x"][s, 1], region["x"][:, 2 * s:2 * s + 2])
+    assert valid.tolist() == [False, True, False] and not bool(jnp.any(arrays["x"][:, 0]))
+
+
 def test_bad_algorithm_settings():
     with pytest.raises(algos.ConfigError, match="unknown qmix setting 'lrr'.*lr"):
         algos.config_for("qmix", {"lrr": "0.1"})
