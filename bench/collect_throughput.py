@@ -2,6 +2,10 @@
 and commit) against a plain jitted, vmapped jaxmarl rollout of the same policy in one
 process, side by side in one run, at several env counts.
 
+The stage runs twice: "serial" submits each collect after the previous one returned (the
+lock-step K = 0 schedule: nothing to overlap with), "streamed" submits them all at once (as
+a dataflow with K >= 1 does), so a region is written while the next one rolls out.
+
     python bench/collect_throughput.py [--envs 256 1024 4096] [--steps 32] [--repeats 8]
 
 Writes bench/results/collect_throughput.{json,md,png}.
@@ -12,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -66,8 +71,9 @@ def plain_rollout(n_envs: int, n_steps: int, repeats: int, epsilon: float) -> di
     return {"steps_per_s": n_envs * n_steps * repeats / seconds, "seconds": seconds}
 
 
-def pipeline_collect(client, worker: str, n_envs: int, n_steps: int, repeats: int) -> dict:
-    """The collect stage as the flow runs it: submitted to a Dask worker, params as a future."""
+def pipeline_collect(client, worker: str, n_envs: int, n_steps: int, repeats: int, streamed: bool) -> dict:
+    """The collect stage as the flow runs it: submitted to a Dask worker, params as a future;
+    one at a time, or all at once (`streamed`)."""
     from pipelines import stages
     from pipelines.config import make_run_config
 
@@ -80,17 +86,19 @@ def pipeline_collect(client, worker: str, n_envs: int, n_steps: int, repeats: in
     # warm up: compile and open the store on the worker, as the first iteration of a run does
     client.submit(stages.collect, cfg, 0, 0, params, 0, 10**6, workers=[worker], pure=False).result()
     started = time.perf_counter()
-    parts = []
-    for i in range(1, repeats + 1):
-        parts.append(client.submit(stages.collect, cfg, 0, i, params, 0, 10**6,
-                                   workers=[worker], pure=False).result())
+    submit = lambda i: client.submit(stages.collect, cfg, 0, i, params, 0, 10**6, workers=[worker], pure=False)
+    if streamed:
+        parts = client.gather([submit(i) for i in range(1, repeats + 1)])
+    else:
+        parts = [submit(i).result() for i in range(1, repeats + 1)]
     seconds = time.perf_counter() - started
-    rollout_s = sum(p["rollout_s"] for p in parts)
-    stage_s = sum(p["collect_s"] for p in parts)
+    total = lambda key: sum(p[key] for p in parts)
     size = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(config.store_path) for f in fs)
+    shutil.rmtree(run_dir, ignore_errors=True)
+    # rollout and write overlap when streamed: the parts add up to more than the wall time
     return {"steps_per_s": n_envs * n_steps * repeats / seconds, "seconds": seconds,
-            "rollout_s": rollout_s, "write_s": stage_s - rollout_s, "dask_s": seconds - stage_s,
-            "store_mib": size / 2**20}
+            "rollout_s": total("rollout_s") + total("host_copy_s"), "write_s": total("write_s"),
+            "write_wait_s": total("write_wait_s"), "store_mib": size / 2**20}
 
 
 def main():
@@ -99,6 +107,7 @@ def main():
     parser.add_argument("--steps", type=int, default=32, help="steps per collect (region length T)")
     parser.add_argument("--repeats", type=int, default=8)
     parser.add_argument("--epsilon", type=float, default=0.1)
+    parser.add_argument("--out", default=None, help="also append each row to OUT/rows.jsonl")
     args = parser.parse_args()
 
     from distributed import Client
@@ -112,26 +121,34 @@ def main():
             # the plain rollout runs while the worker idles, and the other way round, so the
             # two never share the cores
             plain = plain_rollout(n, args.steps, args.repeats, args.epsilon)
-            piped = pipeline_collect(client, worker, n, args.steps, args.repeats)
-            row = {"n_envs": n, "steps_per_region": args.steps, "repeats": args.repeats,
-                   "plain_steps_per_s": plain["steps_per_s"], "pipeline_steps_per_s": piped["steps_per_s"],
-                   "ratio": piped["steps_per_s"] / plain["steps_per_s"],
-                   **{f"pipeline_{k}": v for k, v in piped.items() if k != "steps_per_s"}}
-            rows.append(row)
-            print(json.dumps(row), flush=True)
+            for mode in ("serial", "streamed"):
+                piped = pipeline_collect(client, worker, n, args.steps, args.repeats, mode == "streamed")
+                row = {"n_envs": n, "mode": mode, "steps_per_region": args.steps, "repeats": args.repeats,
+                       "plain_steps_per_s": plain["steps_per_s"], "pipeline_steps_per_s": piped["steps_per_s"],
+                       "ratio": piped["steps_per_s"] / plain["steps_per_s"],
+                       **{f"pipeline_{k}": v for k, v in piped.items() if k != "steps_per_s"}}
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+                if args.out:  # each row as soon as it is measured (bench/gpu.sh)
+                    with open(os.path.join(args.out, "rows.jsonl"), "a") as f:
+                        f.write(json.dumps({"part": "collect_throughput", **row}) + "\n")
 
     plt = report.save(
         "collect_throughput", {"rows": rows},
-        ["envs N", "plain jaxmarl rollout (steps/s)", "collect stage via Dask + Zarr (steps/s)", "ratio",
-         "rollout s", "write+commit s", "Dask s", "store MiB"],
-        ["---:"] * 8,
-        [[str(r["n_envs"]), f"{r['plain_steps_per_s']:,.0f}", f"{r['pipeline_steps_per_s']:,.0f}", f"{r['ratio']:.2f}",
-          f"{r['pipeline_rollout_s']:.2f}", f"{r['pipeline_write_s']:.2f}", f"{r['pipeline_dask_s']:.2f}",
-          f"{r['pipeline_store_mib']:.0f}"] for r in rows])
+        ["envs N", "stage submitted", "plain jaxmarl rollout (steps/s)", "collect stage via Dask + Zarr (steps/s)",
+         "ratio", "rollout + copy s", "write+commit s", "waiting for the previous write s", "wall s", "store MiB"],
+        ["---:", "---"] + ["---:"] * 8,
+        [[str(r["n_envs"]), r["mode"], f"{r['plain_steps_per_s']:,.0f}", f"{r['pipeline_steps_per_s']:,.0f}",
+          f"{r['ratio']:.2f}", f"{r['pipeline_rollout_s']:.2f}", f"{r['pipeline_write_s']:.2f}",
+          f"{r['pipeline_write_wait_s']:.2f}", f"{r['pipeline_seconds']:.2f}", f"{r['pipeline_store_mib']:.0f}"]
+         for r in rows])
     fig, ax = plt.subplots(figsize=(6, 4))
-    ns = [r["n_envs"] for r in rows]
-    ax.plot(ns, [r["plain_steps_per_s"] for r in rows], "o-", label="plain jitted jaxmarl rollout")
-    ax.plot(ns, [r["pipeline_steps_per_s"] for r in rows], "s-", label="collect stage (Dask + Zarr)")
+    ns = sorted({r["n_envs"] for r in rows})
+    ax.plot(ns, [next(r for r in rows if r["n_envs"] == n)["plain_steps_per_s"] for n in ns], "o-",
+            label="plain jitted jaxmarl rollout")
+    for mode, marker in (("serial", "s-"), ("streamed", "^-")):
+        ax.plot(ns, [next(r for r in rows if r["n_envs"] == n and r["mode"] == mode)["pipeline_steps_per_s"]
+                     for n in ns], marker, label=f"collect stage (Dask + Zarr), {mode}")
     ax.set_xscale("log", base=2)
     ax.set_xlabel("vmapped envs N")
     ax.set_ylabel("env steps / s")

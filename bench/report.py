@@ -7,7 +7,8 @@ import json
 import os
 import sys
 
-RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+# MARL_BENCH_RESULTS redirects them (bench/gpu.sh: a dry run must not overwrite the tables)
+RESULTS = os.environ.get("MARL_BENCH_RESULTS") or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
 
 def save(name: str, payload: dict, header: list[str], align: list[str], rows: list[list[str]]):
