@@ -1,0 +1,141 @@
+#!/usr/bin/env bash
+# The device check of the GPU-path issue (16) as one prepared script, run from the repo root
+# on the device machine as-is (see ../shared/notes/gpu.md for that machine):
+#
+#   bash bench/gpu.sh                     # the device tool's call, with carry [".whl"]
+#
+# It installs what the machine lacks from the wheels carried in .whl/ (ignored by git), then
+# measures, most important first, each part under its own time limit inside one overall
+# budget (parts the budget no longer covers are skipped and say so): disk MB/s (dd,
+# fdatasync); store region write MB/s against raw tofile + fsync of the same bytes
+# (bench/write_throughput.py); plain rollout vs the collect stage at N = 65,536 / 1,024 /
+# 8,192 (bench/collect_throughput.py, serial and streamed); the whole MAPPO loop through
+# the stages vs the plain fused loop; learner updates/s per preset; the QMIX and MADDPG
+# loops (bench/gpu_check.py). Measured on CPU (GPU_CHECK_SIZE=small): 289 s end to end. Results go to $OUT as three files, appended as
+# they are measured: rows.jsonl (every row, tagged with its part), tables.md, log.txt (the
+# benchmarks' own json/md/png go to $GPU_CHECK_DIR/gpu-check-results, never to bench/results).
+#
+# Knobs (environment): OUT (default ./gpu-check-out), GPU_CHECK_SIZE=full|small (small: tiny
+# sizes for a CPU dry run: CUDA_VISIBLE_DEVICES= GPU_CHECK_SIZE=small bash bench/gpu.sh),
+# GPU_CHECK_BUDGET_S (default 360 full, 600 small), GPU_CHECK_LOOPS (default "mappo qmix
+# maddpg"), PYTHON (default python3), GPU_CHECK_DIR (where stores are written, default $TMPDIR or /tmp).
+set -u
+cd "$(dirname "$0")/.."
+OUT=${OUT:-$PWD/gpu-check-out}
+SIZE=${GPU_CHECK_SIZE:-full}
+PY=${PYTHON:-python3}
+DIR=${GPU_CHECK_DIR:-${TMPDIR:-/tmp}}
+LOOPS=${GPU_CHECK_LOOPS:-mappo qmix maddpg}
+mkdir -p "$OUT" "$DIR"
+LOG="$OUT/log.txt"
+TABLES="$OUT/tables.md"
+export XLA_PYTHON_CLIENT_PREALLOCATE=false   # the driver and a Dask worker share the GPU
+export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-$DIR/marl-jax-cache}
+export JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0
+export MPLBACKEND=Agg
+export MARL_BENCH_RESULTS=$DIR/gpu-check-results   # the benchmarks' own files, kept out of the repo and $OUT
+RESULTS=$MARL_BENCH_RESULTS
+BEGAN=$(date +%s)
+
+case "$SIZE" in
+  full)
+    BUDGET=${GPU_CHECK_BUDGET_S:-360}
+    DD_MB=2048
+    WRITE=(--sizes 8192x32 65536x16 --repeats 3 2 --variants "store (zstd 0, fsync)" "zstd 0, no fsync" "zstd 1, fsync"
+           "blosc lz4 no shuffle, fsync" "none, fsync" "previous (zstd 0, 1 chunk, scan, no fsync)")
+    COLLECT=("65536 16 2" "1024 32 8" "8192 32 4")   # envs, steps per region, repeats; the target's N first
+    LEARN_S=5
+    declare -A LOOP_STEPS=([mappo]=1000000 [qmix]=102400 [maddpg]=100000) ;;
+  small)
+    BUDGET=${GPU_CHECK_BUDGET_S:-600}
+    DD_MB=128
+    WRITE=(--sizes 32x32 128x32 --repeats 5 3 --variants "store (zstd 0, fsync)" "zstd 0, no fsync"
+           "none, fsync" "previous (zstd 0, 1 chunk, scan, no fsync)")
+    COLLECT=("64 16 3")
+    LEARN_S=1
+    declare -A LOOP_STEPS=([mappo]=32768 [qmix]=4096 [maddpg]=4000) ;;
+  *) echo "GPU_CHECK_SIZE must be full or small, got '$SIZE'" >&2; exit 2 ;;
+esac
+
+left() { echo $(( BUDGET - ($(date +%s) - BEGAN) )); }
+
+# part NAME LIMIT_S CMD...: runs CMD under min(LIMIT_S, what is left of the budget), logs it,
+# and notes its exit status (124: cut by its limit; the rows it wrote stay)
+part() {
+  local name=$1 limit=$2; shift 2
+  local budget_left; budget_left=$(left)
+  (( budget_left < limit )) && limit=$budget_left
+  if (( limit < 10 )); then
+    echo "| $name | skipped: budget spent |" >> "$OUT/status.md.tmp"; return
+  fi
+  echo "=== $name (limit ${limit}s, $(date -u +%H:%M:%S)) ===" >> "$LOG"
+  local t0; t0=$(date +%s)
+  timeout --kill-after=10 "$limit" "$@" >> "$LOG" 2>&1
+  local rc=$?
+  echo "| $name | exit $rc after $(( $(date +%s) - t0 )) s (limit ${limit}s) |" >> "$OUT/status.md.tmp"
+}
+
+{
+  echo "# marl-dataflow device check ($SIZE), $(date -u +%Y-%m-%dT%H:%MZ), commit $(git rev-parse --short HEAD 2>/dev/null || echo '?')"
+  echo
+} > "$TABLES"
+: > "$OUT/status.md.tmp"
+
+# ---------------------------------------------------------------- what the machine lacks
+if ! "$PY" -c "import zarr, numcodecs, dask, distributed, jaxmarl" 2>/dev/null; then
+  if ls .whl/*.whl > /dev/null 2>&1; then
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl >> "$LOG" 2>&1
+    export PYTHONPATH=/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}
+  else
+    echo "zarr/dask/jaxmarl are missing and there is no .whl/ folder to install them from" | tee -a "$LOG" >&2
+    exit 2
+  fi
+else
+  export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+fi
+
+{
+  echo '```'
+  if command -v nvidia-smi > /dev/null; then
+    nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>&1
+  else
+    echo "no nvidia-smi"
+  fi
+  echo "cpus $(nproc), $(free -g | awk '/Mem:/ {print $2 " GiB memory"}')"
+  "$PY" - <<'EOF' 2>&1 | grep -v -i "submodule"
+import sys, jax, zarr, numcodecs, dask, distributed
+from pipelines.cluster import gpu_count
+print("python", sys.version.split()[0], "jax", jax.__version__, "devices", jax.devices(),
+      "zarr", zarr.__version__, "numcodecs", numcodecs.__version__, "dask", dask.__version__,
+      "gpu_count", gpu_count())
+EOF
+  echo "disk ($DIR): $(dd if=/dev/zero of="$DIR/gpu-check-dd" bs=1M count=$DD_MB conv=fdatasync 2>&1 | tail -1)"
+  rm -f "$DIR/gpu-check-dd"
+  echo '```'
+} >> "$TABLES" 2>&1
+
+# ---------------------------------------------------------------- the parts
+part write_throughput 100 "$PY" bench/write_throughput.py "${WRITE[@]}" --dir "$DIR" --out "$OUT"
+[ -f "$RESULTS/write_throughput.md" ] && { echo; echo "### write_throughput"; echo; cat "$RESULTS/write_throughput.md"; } >> "$TABLES"
+
+for spec in "${COLLECT[@]}"; do
+  read -r n t r <<< "$spec"
+  part "collect_throughput N=$n" 120 "$PY" bench/collect_throughput.py --envs "$n" --steps "$t" --repeats "$r" --out "$OUT"
+  [ -f "$RESULTS/collect_throughput.md" ] && { echo; echo "### collect_throughput N=$n"; echo; cat "$RESULTS/collect_throughput.md"; } >> "$TABLES"
+  rm -f "$RESULTS/collect_throughput.md"
+done
+
+# MAPPO's loop first (the issue's >= 0.8x target), then learner updates/s, then the others
+first=${LOOPS%% *}
+part "loop $first" 150 "$PY" bench/gpu_check.py loop --out "$OUT" --algo "$first" --env-steps "${LOOP_STEPS[$first]}"
+part learners 90 "$PY" bench/gpu_check.py learners --out "$OUT" --seconds "$LEARN_S"
+for algo in ${LOOPS#"$first"}; do
+  part "loop $algo" 150 "$PY" bench/gpu_check.py loop --out "$OUT" --algo "$algo" --env-steps "${LOOP_STEPS[$algo]}"
+done
+
+{
+  echo; echo "### parts"; echo; echo "| part | status |"; echo "|---|---|"; cat "$OUT/status.md.tmp"
+  echo; echo "total $(( $(date +%s) - BEGAN )) s"
+} >> "$TABLES"
+rm -f "$OUT/status.md.tmp"
+echo "wrote $OUT: $(ls "$OUT" | tr '\n' ' ')"
