@@ -8,12 +8,10 @@ heavy, so a typo costs a fraction of a second, not a JAX import, a cluster or a 
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import re
 import socket
-import sys
 
 # how long a scheduler address may take to accept a TCP connection before it counts as
 # unreachable (the Dask client itself would wait CONNECT_TIMEOUT, two minutes)
@@ -152,28 +150,11 @@ def check_resume(config) -> None:
                          "resume it with its own settings, or start a new run with --run-dir NEW")
 
 
-@contextlib.contextmanager
-def _stdout_silenced():
-    """Silences file descriptor 1: a module jaxmarl imports resets sys.stdout to the real
-    one before jaxmarl prints, so contextlib.redirect_stdout does not catch those lines."""
-    sys.stdout.flush()
-    saved = os.dup(1)
-    try:
-        with open(os.devnull, "w") as null:
-            os.dup2(null.fileno(), 1)
-        yield
-    finally:
-        sys.stdout.flush()
-        os.dup2(saved, 1)
-        os.close(saved)
-
-
 def check_env(config):
     """The env exists with these kwargs and the algorithm can act in it; returns its spec."""
     from marl import algos, envs
 
-    with _stdout_silenced():  # jaxmarl prints two lines on import; the answer is one line
-        spec = envs.make(config.env_id, **config.env_kwargs).spec
+    spec = envs.make(config.env_id, **config.env_kwargs).spec
     algos.check_env(config.algo, spec)
     return spec
 

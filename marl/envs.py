@@ -14,7 +14,9 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import inspect
+import os
 import re
+import sys
 from typing import Any, NamedTuple
 
 import jax
@@ -153,12 +155,21 @@ def _pad(x, size):
 
 
 def _quiet_import(name: str):
-    """jaxmarl prints a line about optional submodules on import; keep worker logs clean."""
-    import contextlib
-    import io
-
-    with contextlib.redirect_stdout(io.StringIO()):
+    """jaxmarl prints two lines about optional submodules on import; keep them off the
+    terminal and the worker logs. Silenced at file descriptor 1: a module jaxmarl imports
+    resets sys.stdout to the real one first, so contextlib.redirect_stdout misses them."""
+    if name in sys.modules:
+        return sys.modules[name]
+    sys.stdout.flush()
+    saved = os.dup(1)
+    try:
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), 1)
         return importlib.import_module(name)
+    finally:
+        sys.stdout.flush()
+        os.dup2(saved, 1)
+        os.close(saved)
 
 
 def smax_scenarios() -> list[str]:
@@ -178,7 +189,10 @@ def _make_smax(env_id: str, scenario: str, kwargs: dict) -> JaxEnv:
     from jaxmarl.environments.smax import HeuristicEnemySMAX, SMAX, map_name_to_scenario
 
     _check_kwargs(env_id, SMAX.__init__, kwargs, reserved={"scenario"})
-    env = HeuristicEnemySMAX(scenario=map_name_to_scenario(scenario), **kwargs)
+    try:
+        env = HeuristicEnemySMAX(scenario=map_name_to_scenario(scenario), **kwargs)
+    except (TypeError, ValueError) as e:
+        raise EnvError(f"{env_id}: bad env kwarg ({e}); see jaxmarl's SMAX arguments") from None
     if env.action_type != "discrete":
         raise EnvError(f"{env_id}: only discrete SMAX actions are supported; drop action_type")
     agents = tuple(env.agents)
@@ -207,8 +221,15 @@ def _make_mpe(env_id: str, registry_name: str, kwargs: dict) -> JaxEnv:
 
     try:
         env = jaxmarl.make(registry_name, **kwargs)
-    except TypeError as e:
+    except (TypeError, ValueError) as e:
         raise EnvError(f"{env_id}: bad env kwarg ({e}); see jaxmarl's {registry_name} arguments") from None
+    # MPE envs pass **kwargs up their base classes, the last of which drops what it does not
+    # know: a misspelt kwarg would be ignored without a word
+    valid = {name for cls in type(env).__mro__ if "__init__" in vars(cls)
+             for name in inspect.signature(cls.__init__).parameters} - {"self", "args", "kwargs"}
+    unknown = sorted(set(kwargs) - valid)
+    if unknown:
+        raise EnvError(f"{env_id}: unknown env kwarg(s) {', '.join(unknown)}; valid: {', '.join(sorted(valid))}")
     agents = tuple(env.agents)
     obs_dim = max(int(np.prod(env.observation_space(a).shape)) for a in agents)
     space = env.action_space(agents[0])

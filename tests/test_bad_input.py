@@ -73,6 +73,10 @@ CASES = {
     "train-resume-other-preset": Case("train vdn-smax --run-dir {RUN}", "have preset=qmix-smac-tiny algo=qmix"),
     "train-resume-other-env": Case("train {TINY} --run-dir {RUN} --env smax:2s3z", "have env_id=smax:3m; want env_id=smax:2s3z"),
     "train-resume-other-hidden": Case("train {TINY} --run-dir {RUN} --set hidden=32", "have hidden=16; want hidden=32"),
+    "train-unknown-env-kwarg": Case("train maddpg-mpe-tiny --run-dir {NEW} --set env_kwargs='{{\"max_step\": 9}}'",
+                                    "unknown env kwarg(s) max_step"),
+    "train-smax-continuous-actions": Case("train maddpg-mpe-tiny --run-dir {NEW} --env smax:3m",
+                                          "smax:3m: bad env kwarg (Unknown action_type"),
     "train-qmix-on-continuous-env": Case(
         "train {TINY} --run-dir {NEW} --env mpe:simple_spread --set env_kwargs={CONTINUOUS}",
         "qmix needs discrete actions and mpe:simple_spread has continuous ones"),
@@ -277,7 +281,7 @@ def test_an_error_inside_a_task_is_one_line_and_a_log_file(tmp_path):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (ROOT, str(tmp_path / "mods")) if p)}
     env.pop("MARL_DASK_SCHEDULER", None)
     proc = subprocess.run([sys.executable, "-m", "flows.cli", "train", "mappo-mpe-tiny", "--env",
-                           "pz:badenv.parallel_env", "--run-dir", str(run), "--env-steps", "256"],
+                           "pz:badenv.parallel_env", "--run-dir", str(run), "--env-steps", "256", "--workers", "1"],
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     output = proc.stdout + proc.stderr
     assert proc.returncode == 1, output
