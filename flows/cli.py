@@ -17,7 +17,7 @@ import sys
 
 
 # modules that add subcommands: each has add_commands(subparsers)
-COMMAND_MODULES = ("flows.replay_cli", "flows.stack", "flows.benchmark_cli")
+COMMAND_MODULES = ("flows.replay_cli", "flows.stack", "flows.benchmark_cli", "flows.eval_cli")
 
 
 def _embedded_defaults():
@@ -88,6 +88,9 @@ def cmd_train(args) -> int:
         checks.check_scheduler(args.scheduler)
         if args.run_dir is not None:
             checks.check_run_dir(args.run_dir)
+        from flows.loggers import parse_loggers
+
+        parse_loggers(args.logger)  # an unknown logger or a missing package, before anything starts
     except checks.InputError as e:
         return fail(e)
     from marl.algos import ConfigError
@@ -138,7 +141,7 @@ def cmd_train(args) -> int:
             result = train_flow.marl_train(
                 preset=args.preset, env=args.env, env_steps=args.env_steps, collectors=args.collectors,
                 seed=args.seed, seeds=args.seeds, run_dir=args.run_dir, overrides=overrides,
-                scheduler_address=args.scheduler, n_workers=n_workers)
+                scheduler_address=args.scheduler, n_workers=n_workers, loggers=args.logger)
         except bad_input as e:  # found only where the run starts (e.g. the memory of its workers)
             progress.stop()
             return fail(e)
@@ -185,6 +188,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="override a run or algorithm setting, e.g. --set lr=0.001 (repeatable)")
     p.add_argument("--scheduler", help="address of a running Dask scheduler (default: a new local cluster)")
     p.add_argument("--workers", type=int, help="local cluster workers (default 2)")
+    p.add_argument("--logger", metavar="NAMES", help="where per-iteration metrics go: csv (default, "
+                   "RUN_DIR/metrics.csv), tensorboard (RUN_DIR/tensorboard, needs the tensorboard extra), "
+                   "comma-separated, e.g. --logger csv,tensorboard")
     p.set_defaults(fn=cmd_train)
 
     for module in COMMAND_MODULES:  # each adds its own subcommands

@@ -18,6 +18,7 @@ from prefect import flow, get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
 from flows import checks
+from flows import loggers as metric_loggers
 from pipelines import cluster as clusters
 from pipelines import stages
 from pipelines.config import RunConfig, make_run_config
@@ -116,8 +117,10 @@ def prepare_task(client, worker: str, config: dict) -> dict:
 def marl_train(preset: str = "qmix-smac", env: str | None = None, env_steps: int | None = None,
                collectors: int | None = None, seed: int | None = None, seeds: int | None = None,
                run_dir: str | None = None, overrides: dict[str, str] | None = None,
-               scheduler_address: str | None = None, n_workers: int = 2) -> dict:
+               scheduler_address: str | None = None, n_workers: int = 2,
+               loggers: list[str] | str | None = None) -> dict:
     """Train `preset` (e.g. qmix-smac); resumes from the latest checkpoint in `run_dir`.
+    `loggers`: "csv" (the default), "tensorboard" or both (flows/loggers.py), one row per iteration.
 
     Every parameter is checked before a cluster starts or anything is written (ConfigError,
     EnvError or InputError, one line); an error inside a stage's task is a StageError."""
@@ -128,6 +131,7 @@ def marl_train(preset: str = "qmix-smac", env: str | None = None, env_steps: int
     config = make_run_config(preset, env_id=env, total_env_steps=env_steps, n_collectors=collectors,
                              seed=seed, run_dir=run_dir, overrides=overrides)
     checks.check_run(config, scheduler_address, n_workers)
+    logger_names = metric_loggers.parse_loggers(loggers)
     logger = get_run_logger()
     cfg = config.to_dict()
     with clusters.connect(scheduler_address, n_workers=n_workers) as client, stage_errors(config.run_dir):
@@ -143,15 +147,24 @@ def marl_train(preset: str = "qmix-smac", env: str | None = None, env_steps: int
             logger.info("resuming %s at iteration %d (%d env steps) from its checkpoint",
                         config.run_dir, start["iteration"], start["env_steps"])
         began = time.perf_counter()
+        # opened once the resume point is known: a resumed run's files drop what came after it
+        writers = metric_loggers.open_loggers(logger_names, config.run_dir, start["iteration"], cfg,
+                                              start["env_steps"])
 
         def on_row(row):
             logger.info(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
                                  for k, v in row.items()))
+            for writer in writers:
+                writer.log(row)
             for hook in ITERATION_HOOKS:
                 hook({**row, "n_iterations": config.n_iterations})
 
         dataflow = Dataflow(client, config, start, where)
-        history = dataflow.run(on_row)
+        try:
+            history = dataflow.run(on_row)
+        finally:
+            for writer in writers:
+                writer.close()
         summary = dataflow.summary()
         if dataflow.stopped_early:
             logger.info("stopped after %.0f s (max_wall_s)", config.max_wall_s)

@@ -1,0 +1,116 @@
+"""`marl eval` and `marl export`: a trained run, after training, in this process (no Dask, no Prefect).
+
+    marl eval RUN_DIR [--checkpoint N] [--episodes E] [--json]
+    marl export RUN_DIR --out DIR [--checkpoint N] [--seed-index S]
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+
+def _fail(message) -> int:
+    from flows.checks import one_line
+
+    print(f"marl: {one_line(message)}", file=sys.stderr)
+    return 2
+
+
+def _load(args):
+    """The run restored, or the one-line error (bad input) as an int exit code."""
+    from flows import checks
+
+    try:
+        checks.check_count("--episodes", getattr(args, "episodes", None), example=32)
+        if args.checkpoint is not None and args.checkpoint < 0:
+            raise checks.InputError(f"--checkpoint {args.checkpoint} must be a checkpoint step >= 0, e.g. --checkpoint 20")
+    except checks.InputError as e:
+        return _fail(e)
+    from marl.algos import ConfigError
+    from marl.envs import EnvError
+    from pipelines.saved_run import load_run
+    from storage import StoreError
+
+    try:
+        return load_run(args.run_dir, args.checkpoint)
+    except (StoreError, ConfigError, EnvError) as e:
+        return _fail(e)
+
+
+def _cell(mean: float, interval, spec: str) -> str:
+    return f"{mean:{spec}} [{interval[0]:{spec}}, {interval[1]:{spec}}]"
+
+
+def cmd_eval(args) -> int:
+    run = _load(args)
+    if isinstance(run, int):
+        return run
+    from pipelines.saved_run import METRICS, evaluate_run
+
+    episodes = args.episodes or run.config.eval_episodes
+    report = evaluate_run(run, episodes)
+    if args.json:
+        print(json.dumps(report, indent=2))
+        return 0
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console(markup=False) if sys.stdout.isatty() else Console(width=160, soft_wrap=True, markup=False)
+    table = Table(title=f"{report['algo']} on {report['env_id']}: checkpoint {report['checkpoint']} "
+                        f"({report['env_steps']:,} env steps), {episodes} greedy episodes per seed")
+    table.add_column("seed", justify="right")
+    specs = {"win_rate": ".3f", "return": ".3f", "length": ".1f"}
+    for m in METRICS:
+        table.add_column(f"{m.replace('_', ' ')} [95% CI]", justify="right")
+    for row in report["per_seed"]:
+        table.add_row(str(row["seed"]), *(_cell(row[m], row[f"{m}_ci95"], specs[m]) for m in METRICS))
+    mean = report["mean"]
+    if report["n_seeds"] > 1:
+        table.add_row("mean +- std", *(f"{mean[m]:{specs[m]}} +- {mean[f'{m}_std']:{specs[m]}} "
+                                       f"[{mean[f'{m}_ci95'][0]:{specs[m]}}, {mean[f'{m}_ci95'][1]:{specs[m]}}]"
+                                       for m in METRICS))
+    console.print(table)
+    return 0
+
+
+def cmd_export(args) -> int:
+    run = _load(args)
+    if isinstance(run, int):
+        return run
+    from flows import checks
+    from storage import StoreError
+    from pipelines.saved_run import export_run
+
+    try:
+        checks.check_writable_path(args.out, "--out", directory=True)
+        paths = export_run(run, args.out, args.seed_index)
+    except (checks.InputError, StoreError) as e:
+        return _fail(e)
+    print(f"exported {run.config.algo} on {run.config.env_id} (checkpoint {run.checkpoint}, seed {args.seed_index}) "
+          f"to {args.out}: {', '.join(p.rsplit('/', 1)[-1] for p in paths)}; load it with marl.load_policy({args.out!r})")
+    return 0
+
+
+def add_commands(sub) -> None:
+    p = sub.add_parser("eval", help="play a trained run's greedy policy and report win rate, return and length",
+                       description="Restore a run's latest (or --checkpoint N) checkpoint, rebuild its env and "
+                       "learner from the run's own config, play --episodes greedy episodes per seed on fresh "
+                       "envs in this process, and print win rate, return and length per seed (95%% intervals "
+                       "over episodes) and across seeds (mean +- std, 95%% interval over seeds).")
+    p.add_argument("run_dir", metavar="RUN_DIR", help="a `marl train` run dir, e.g. runs/qmix-smac")
+    p.add_argument("--checkpoint", type=int, help="checkpoint step (iteration) to restore (default: the latest)")
+    p.add_argument("--episodes", type=int, help="greedy episodes per seed (default: the run's eval_episodes)")
+    p.add_argument("--json", action="store_true", help="print the report as JSON instead of a table")
+    p.set_defaults(fn=cmd_eval)
+
+    p = sub.add_parser("export", help="write a trained run's policy as plain files for marl.load_policy",
+                       description="Write one seed's greedy policy of a run (latest or --checkpoint N) into "
+                       "--out DIR: policy.json (algorithm and network config), env_spec.json, params.msgpack "
+                       "(flax msgpack). marl.load_policy(DIR).act(obs, avail_actions, carry) plays it from "
+                       "NumPy, with no Dask, Prefect or replay store.")
+    p.add_argument("run_dir", metavar="RUN_DIR", help="a `marl train` run dir, e.g. runs/qmix-smac")
+    p.add_argument("--out", required=True, help="directory to write the policy files into")
+    p.add_argument("--checkpoint", type=int, help="checkpoint step (iteration) to export (default: the latest)")
+    p.add_argument("--seed-index", type=int, default=0, help="which seed of a --seeds run (default 0)")
+    p.set_defaults(fn=cmd_export)

@@ -1,0 +1,153 @@
+"""A finished (or stopped) run, in this process: its learner restored from a checkpoint,
+greedy evaluation, and export of its policy. No Dask, no Prefect.
+
+    run = load_run("runs/qmix-smac", checkpoint=None)     # latest checkpoint
+    report = evaluate_run(run, episodes=32)               # per seed and across seeds
+    export_run(run, "exported/qmix-3m")                   # marl.load_policy(...) reads it
+
+The env and learner are rebuilt from the run's own config (the replay store's "config"
+attribute) exactly as the training stages build them (stages.RunParts).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from marl import policy as policies
+from marl import rollout
+from pipelines import stages
+from pipelines.config import RunConfig
+from storage import Checkpointer, ReplayStore, StoreError
+
+METRICS = ("win_rate", "return", "length")
+
+
+@dataclasses.dataclass
+class SavedRun:
+    config: RunConfig
+    parts: stages.RunParts
+    checkpoint: int  # the step (iteration) restored
+    meta: dict  # the checkpoint's metadata (iteration, env_steps, ...)
+    params: dict  # policy params of every seed, [S, ...] where n_seeds > 1
+
+
+def _listing(path: str) -> str:
+    entries = sorted(os.listdir(path)) if os.path.isdir(path) else []
+    more = f" and {len(entries) - 8} more" if len(entries) > 8 else ""
+    return ", ".join(entries[:8]) + more if entries else "nothing"
+
+
+def load_run(run_dir: str, checkpoint: int | None = None) -> SavedRun:
+    """The run in `run_dir` at `checkpoint` (latest if None); StoreError (one line, saying
+    what exists) for a dir that is not a run or a checkpoint it does not have."""
+    if not os.path.isdir(run_dir):
+        raise StoreError(f"run dir {run_dir} does not exist; pass the --run-dir of a `marl train` run "
+                         f"(default runs/PRESET)")
+    store_path = os.path.join(run_dir, "replay")
+    try:
+        attrs = ReplayStore.open(store_path).attrs
+        config = RunConfig(**{**attrs["config"], "run_dir": os.path.abspath(run_dir)})
+    except (StoreError, KeyError, TypeError):
+        raise StoreError(f"{run_dir} is not a run dir: no readable replay store with a run config at "
+                         f"{store_path} (it holds: {_listing(run_dir)}); pass the --run-dir of a "
+                         "`marl train` run") from None
+    steps = []
+    if os.path.isdir(config.checkpoint_dir):
+        with Checkpointer(config.checkpoint_dir) as checkpoints:
+            steps = checkpoints.all_steps()
+    if not steps:
+        raise StoreError(f"{run_dir} has no checkpoint yet (checkpoints/ holds: "
+                         f"{_listing(config.checkpoint_dir)}); train it longer (checkpoint_every)")
+    if checkpoint is None:
+        checkpoint = steps[-1]
+    elif checkpoint not in steps:
+        raise StoreError(f"{run_dir} has no checkpoint {checkpoint}; it has {', '.join(map(str, steps))}; "
+                         "pass one of those to --checkpoint")
+    parts = stages.RunParts.build(config)
+    target = stages._to_numpy(parts.learner.init(jax.random.PRNGKey(config.seed)))
+    with Checkpointer(config.checkpoint_dir) as checkpoints:
+        state, meta = checkpoints.restore(checkpoint, target=target)
+    state = jax.tree.map(jnp.asarray, state)
+    params = stages._to_numpy(parts.learner.policy_params(state))
+    return SavedRun(config, parts, int(checkpoint), meta, params)
+
+
+def seed_params(run: SavedRun, seed: int):
+    """One seed's policy params."""
+    if run.config.n_seeds == 1:
+        return run.params
+    return jax.tree.map(lambda p: p[seed], run.params)
+
+
+def _episodes(run: SavedRun, params, key, episodes: int) -> dict[str, np.ndarray]:
+    """Per-episode win, return and length of `episodes` greedy episodes on fresh envs:
+    the stages' evaluator for one env, vmapped over episodes (JAX envs) or looped
+    (PettingZoo envs, stepped in NumPy)."""
+    env, learner = run.parts.env, run.parts.single_seed
+    keys = jax.random.split(key, episodes)
+    if env.spec.backend == "jax":
+        evaluate = rollout.make_evaluator(env, learner.act, learner.init_carry, 1, learner.greedy)
+        stats = jax.vmap(evaluate, in_axes=(None, 0))(params, keys)
+        stats = {k: np.asarray(v) for k, v in stats.items()}
+    else:
+        evaluate = rollout.make_numpy_evaluator(env, learner.act, learner.init_carry, 1, learner.greedy)
+        runs = [evaluate(params, k) for k in keys]
+        stats = {k: np.array([float(r[k]) for r in runs]) for k in runs[0]}
+    return {"win_rate": stats["win_rate"].astype(float), "return": stats["return_mean"].astype(float),
+            "length": stats["length_mean"].astype(float)}
+
+
+def _interval(values: np.ndarray) -> tuple[float, float]:
+    """The 95% t-interval of the mean of `values` (a point where there is one value)."""
+    from scipy import stats
+
+    mean = float(values.mean())
+    if len(values) < 2:
+        return mean, mean
+    half = float(stats.t.ppf(0.975, len(values) - 1) * values.std(ddof=1) / math.sqrt(len(values)))
+    return mean - half, mean + half
+
+
+def evaluate_run(run: SavedRun, episodes: int, seed: int = 0) -> dict:
+    """Greedy play of `episodes` fresh episodes per trained seed.
+
+    Per seed: the mean of each metric over its episodes with a 95% interval over episodes.
+    Across seeds: the mean and std of the seed means, with a 95% interval over seeds
+    (over all episodes where the run has one seed)."""
+    key = jax.random.PRNGKey(run.config.seed + 20_000 + seed)
+    per_seed, pooled = [], {m: [] for m in METRICS}
+    for s in range(run.config.n_seeds):
+        values = _episodes(run, seed_params(run, s), jax.random.fold_in(key, s), episodes)
+        row = {"seed": s}
+        for m in METRICS:
+            row[m] = float(values[m].mean())
+            row[f"{m}_ci95"] = list(_interval(values[m]))
+            pooled[m].append(values[m])
+        per_seed.append(row)
+    means = {m: np.array([r[m] for r in per_seed]) for m in METRICS}
+    overall = {}
+    for m in METRICS:
+        overall[m] = float(means[m].mean())
+        overall[f"{m}_std"] = float(means[m].std())
+        spread = means[m] if len(per_seed) > 1 else np.concatenate(pooled[m])
+        overall[f"{m}_ci95"] = list(_interval(spread))
+    c = run.config
+    return {"run_dir": c.run_dir, "preset": c.preset, "env_id": c.env_id, "algo": c.algo,
+            "checkpoint": run.checkpoint, "env_steps": int(run.meta.get("env_steps", 0)),
+            "episodes_per_seed": episodes, "n_seeds": c.n_seeds, "per_seed": per_seed, "mean": overall}
+
+
+def export_run(run: SavedRun, out: str, seed: int = 0) -> list[str]:
+    """Writes seed `seed`'s policy as marl.policy files into `out`; returns their paths."""
+    if not 0 <= seed < run.config.n_seeds:
+        raise StoreError(f"the run has seeds 0..{run.config.n_seeds - 1}, not {seed}; pass one of those")
+    c, learner = run.config, run.parts.single_seed
+    source = {"run_dir": c.run_dir, "checkpoint": run.checkpoint, "seed": seed, "env_id": c.env_id,
+              "env_kwargs": c.env_kwargs, "env_steps": int(run.meta.get("env_steps", 0)), "preset": c.preset}
+    return policies.save_policy(out, c.algo, learner.config, learner.spec, seed_params(run, seed), source)

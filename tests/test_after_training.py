@@ -1,0 +1,196 @@
+"""After training, on one tiny real run (real checkpoints, real store): `marl eval`, `marl export`
++ `marl.load_policy` (same actions as the learner), and the metric loggers read back,
+including a resumed run that appends."""
+
+from __future__ import annotations
+
+import csv
+import glob
+import json
+import os
+import struct
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+from flows.cli import main
+
+TINY = "qmix-smac-tiny"
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory, prefect_server, dask_cluster):
+    """2 iterations of QMIX on smax:3m (checkpoint at 2, evaluated at 2), CSV and TensorBoard on."""
+    from flows.train import marl_train
+
+    run_dir = str(tmp_path_factory.mktemp("after") / "run")
+    result = marl_train(preset=TINY, run_dir=run_dir, env_steps=1024, loggers="csv,tensorboard",
+                        scheduler_address=dask_cluster.scheduler_address)
+    return {**result, "run_dir": run_dir}
+
+
+def cli(capsys, *args):
+    code = main([str(a) for a in args])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_eval_reports_each_seed_with_intervals(run, capsys):
+    code, out, err = cli(capsys, "eval", run["run_dir"], "--episodes", 4, "--json")
+    assert code == 0, err
+    report = json.loads(out)
+    assert (report["checkpoint"], report["env_id"], report["algo"]) == (2, "smax:3m", "qmix")
+    assert report["episodes_per_seed"] == 4 and len(report["per_seed"]) == 1
+    for m in ("win_rate", "return", "length"):
+        lo, hi = report["mean"][f"{m}_ci95"]
+        assert lo <= report["mean"][m] <= hi
+    assert 0 <= report["mean"]["win_rate"] <= 1 and report["mean"]["length"] > 0
+
+    code, out, err = cli(capsys, "eval", run["run_dir"], "--episodes", 4, "--checkpoint", 2)
+    assert code == 0, err
+    assert "win rate [95% CI]" in out and "checkpoint 2" in out and "smax:3m" in out
+
+
+def test_eval_and_export_answer_bad_input_in_one_line(run, tmp_path, capsys):
+    (tmp_path / "notes.txt").write_text("not a run")
+    for args, words in ((["eval", tmp_path], ["not a run dir", "notes.txt"]),
+                        (["eval", tmp_path / "missing"], ["does not exist"]),
+                        (["eval", run["run_dir"], "--checkpoint", 7], ["no checkpoint 7", "it has 2"]),
+                        (["export", run["run_dir"], "--out", tmp_path / "x", "--checkpoint", 9], ["no checkpoint 9"]),
+                        (["eval", run["run_dir"], "--episodes", 0], ["--episodes 0 must be >= 1"])):
+        code, out, err = cli(capsys, *args)
+        assert code == 2 and out == "" and err.count("\n") == 1 and "Traceback" not in err, (args, err)
+        assert all(w in err for w in words), (args, err)
+
+
+def play_both(policy, learner, params, env, n_envs=4, steps=12):
+    """Steps n_envs envs with the learner's greedy actions; the exported policy must pick
+    the same ones, its carry threaded through `act` as a user would."""
+    key = jax.random.PRNGKey(3)
+    ts, state = jax.vmap(env.reset)(jax.random.split(key, n_envs))
+    carry, policy_carry = learner.init_carry(n_envs), None
+    for t in range(steps):
+        key, act_key, step_key = jax.random.split(key, 3)
+        expected, carry, _ = learner.act(params, carry, ts.obs, ts.avail_actions, ts.first, act_key, learner.greedy)
+        first = None if policy_carry is None else np.asarray(ts.first)
+        actions, policy_carry = policy.act(np.asarray(ts.obs), np.asarray(ts.avail_actions), policy_carry, first=first)
+        np.testing.assert_allclose(actions, np.asarray(expected), rtol=1e-6, atol=1e-6)
+        ts, state = jax.vmap(env.step)(jax.random.split(step_key, n_envs), state, expected)
+    np.testing.assert_allclose(np.asarray(policy_carry), np.asarray(carry), rtol=1e-5, atol=1e-6)
+
+
+def test_exported_qmix_plays_like_its_learner(run, tmp_path, capsys):
+    import marl
+    from pipelines.saved_run import load_run
+
+    out = tmp_path / "qmix"
+    code, stdout, err = cli(capsys, "export", run["run_dir"], "--out", out)
+    assert code == 0, err
+    assert sorted(os.listdir(out)) == ["env_spec.json", "params.msgpack", "policy.json"]
+    policy = marl.load_policy(str(out))
+    saved = load_run(run["run_dir"])
+    assert policy.source["checkpoint"] == 2 and policy.spec == saved.parts.env.spec
+    play_both(policy, saved.parts.single_seed, saved.params, saved.parts.env)  # a GRU carry
+
+    one_env, _ = policy.act(np.zeros((3, policy.spec.obs_dim), np.float32))  # no batch axis
+    assert one_env.shape == (3,)
+    # plain Python: no Dask, Prefect or store in the process that plays it
+    script = ("import sys, numpy as np, marl; p = marl.load_policy(sys.argv[1]); "
+              "a, c = p.act(np.zeros((2, 3, p.spec.obs_dim), np.float32)); a, c = p.act(np.zeros((2, 3, p.spec.obs_dim)), carry=c); "
+              "assert a.shape == (2, 3); "
+              "print(sorted(m for m in ('dask', 'distributed', 'prefect', 'zarr') if m in sys.modules))")
+    done = subprocess.run([sys.executable, "-c", script, str(out)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "[]", done.stderr
+
+
+@pytest.mark.parametrize("preset", ["mappo-mpe-tiny", "maddpg-mpe-tiny"])
+def test_exported_mappo_and_maddpg_play_like_their_learners(preset, tmp_path):
+    import marl
+    from marl import algos, envs
+    from marl.policy import save_policy
+    from pipelines.config import make_run_config
+
+    config = make_run_config(preset)
+    env = envs.make(config.env_id, **config.env_kwargs)
+    learner = algos.make_learner(config.algo, env.spec, config.algo_config())
+    params = learner.policy_params(learner.init(jax.random.PRNGKey(1)))
+    save_policy(str(tmp_path), config.algo, learner.config, env.spec, params)
+    play_both(marl.load_policy(str(tmp_path)), learner, params, env, steps=5)
+
+
+def test_load_policy_of_a_dir_that_is_not_one(tmp_path):
+    import marl
+
+    with pytest.raises(marl.PolicyError, match="no policy.json, env_spec.json, params.msgpack .*marl export"):
+        marl.load_policy(str(tmp_path))
+
+
+def read_csv(run_dir):
+    with open(os.path.join(run_dir, "metrics.csv"), newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def read_scalars(run_dir) -> dict[str, list[tuple[int, float]]]:
+    """Every scalar in the run's TensorBoard event files (TFRecord framing, tensorboardX's
+    Event proto): tag -> [(step, value)], honouring a resumed run's purge step."""
+    from tensorboardX.proto import event_pb2
+
+    scalars: dict[str, list] = {}
+    for path in sorted(glob.glob(os.path.join(run_dir, "tensorboard", "events.out.tfevents.*"))):
+        data, i = open(path, "rb").read(), 0
+        while i < len(data):
+            (n,) = struct.unpack("<Q", data[i:i + 8])
+            event = event_pb2.Event()
+            event.ParseFromString(data[i + 12:i + 12 + n])
+            i += 12 + n + 4
+            if event.HasField("session_log") and event.session_log.status == event.session_log.START:
+                scalars = {t: [(s, v) for s, v in vs if s < event.step] for t, vs in scalars.items()}
+            for value in event.summary.value:
+                if value.HasField("simple_value"):
+                    scalars.setdefault(value.tag, []).append((event.step, value.simple_value))
+    return scalars
+
+
+def test_loggers_write_every_iteration_and_the_evaluation(run):
+    rows, history = read_csv(run["run_dir"]), run["history"]
+    assert [int(r["iteration"]) for r in rows] == [1, 2]
+    assert rows[0]["test_win_rate"] == "" and float(rows[1]["test_win_rate"]) == history[1]["test_win_rate"]
+    assert {"env_steps", "return", "loss", "steps_per_s", "policy_lag"} <= set(rows[0])
+    scalars = read_scalars(run["run_dir"])
+    assert [s for s, _ in scalars["return"]] == [512, 1024]
+    assert scalars["test_win_rate"] == [(1024, pytest.approx(history[1]["test_win_rate"]))]
+
+
+def test_missing_or_unknown_logger_is_one_line(monkeypatch, capsys):
+    import importlib.util
+
+    from flows.checks import InputError
+    from flows.loggers import parse_loggers
+
+    assert parse_loggers(None) == ["csv"] and parse_loggers("csv, tensorboard") == ["csv", "tensorboard"]
+    code, out, err = cli(capsys, "train", TINY, "--logger", "csv,mlflw")
+    assert code == 2 and err.count("\n") == 1 and "unknown logger 'mlflw'" in err
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "tensorboardX" else real(name, *a))
+    with pytest.raises(InputError, match=r"marl-dataflow\[tensorboard\]"):
+        parse_loggers("csv,tensorboard")
+
+
+def test_resumed_run_appends_without_duplicating_or_dropping_rows(run, dask_cluster):
+    """Last in this module: it trains the shared run on. An interrupted run may have logged an
+    iteration after its last checkpoint; the resumed run replaces that row."""
+    from flows.train import marl_train
+
+    path = os.path.join(run["run_dir"], "metrics.csv")
+    with open(path, "a") as f:
+        f.write("3,1536,99.0\n")  # logged, then killed before checkpoint 4
+    result = marl_train(preset=TINY, run_dir=run["run_dir"], env_steps=2048, loggers="csv,tensorboard",
+                        scheduler_address=dask_cluster.scheduler_address)
+    assert result["resumed_from"] == 2
+    rows = read_csv(run["run_dir"])
+    assert [int(r["iteration"]) for r in rows] == [1, 2, 3, 4]
+    assert float(rows[2]["return"]) == result["history"][0]["return"]
+    assert [s for s, _ in read_scalars(run["run_dir"])["return"]] == [512, 1024, 1536, 2048]
