@@ -70,6 +70,12 @@ class _DropReported(logging.Filter):
         return not str(record.msg).startswith("Finished in state Failed")
 
 
+def quiet_reported_failures() -> None:
+    """Installs _DropReported where Prefect logs a run's failure."""
+    for name in ("prefect.flow_runs", "prefect.task_runs"):
+        logging.getLogger(name).addFilter(_DropReported())
+
+
 def cmd_train(args) -> int:
     _embedded_defaults()
     from flows import checks
@@ -114,8 +120,7 @@ def cmd_train(args) -> int:
 
     from flows import train as train_flow
 
-    for name in ("prefect.flow_runs", "prefect.task_runs"):  # where Prefect logs a run's failure
-        logging.getLogger(name).addFilter(_DropReported())
+    quiet_reported_failures()
     console = Console()
 
     table = Table(title=f"{config.preset} on {config.env_id}")

@@ -222,14 +222,20 @@ def cmd_replay_reanalyze(args) -> int:
     except (StoreError, checks.InputError) as e:
         return _fail(e)
     _embedded_defaults()  # before prefect is imported
+    from flows.cli import fail, quiet_reported_failures
     from flows.reanalyze import marl_reanalyze
+    from flows.train import StageError, stage_errors
 
-    try:
-        result = marl_reanalyze(run_dir=args.run_dir, store=args.store, checkpoint_dir=args.checkpoints,
-                                checkpoint=args.checkpoint, out=args.out,
-                                scheduler_address=args.scheduler, n_workers=args.workers)
+    quiet_reported_failures()
+    try:  # an error inside a task: one line, its traceback in <run dir>/logs
+        with stage_errors(args.run_dir or os.path.dirname(job["store"])):
+            result = marl_reanalyze(run_dir=args.run_dir, store=args.store, checkpoint_dir=args.checkpoints,
+                                    checkpoint=args.checkpoint, out=args.out,
+                                    scheduler_address=args.scheduler, n_workers=args.workers)
     except (StoreError, ConfigError, ValueError) as e:
         return _fail(e)
+    except StageError as e:
+        return fail(e, code=1)
     console = _console()
     console.print(f"reanalysed {result['written']} of {len(result['regions'])} regions of "
                   f"{result['store']} with checkpoint {result['checkpoint_step']} in {result['wall_s']:.1f} s")

@@ -33,17 +33,20 @@ class StageError(RuntimeError):
     log file in the run dir that holds the full remote traceback."""
 
 
-# the functions of pipelines/stages.py that run as Dask tasks, and the stage each belongs to
-STAGES = {"prepare_run": "prepare", "collect": "collect", "train": "train", "policy_params": "train",
-          "save_checkpoint": "train", "evaluate": "evaluate"}
+# the functions that run as Dask tasks (module of pipelines/, function) and their stage
+STAGES = {("stages", "prepare_run"): "prepare", ("stages", "collect"): "collect", ("stages", "train"): "train",
+          ("stages", "policy_params"): "train", ("stages", "save_checkpoint"): "train",
+          ("stages", "evaluate"): "evaluate", ("reanalyze", "prepare"): "reanalyze",
+          ("reanalyze", "score_region"): "reanalyze"}
 
 
 def task_stage(error: BaseException) -> str | None:
     """The stage whose Dask task raised `error` (its remote frames travel with it), or None
     for an error raised here in the driver."""
     for frame in traceback.extract_tb(error.__traceback__):
-        if frame.filename.endswith(os.path.join("pipelines", "stages.py")) and frame.name in STAGES:
-            return STAGES[frame.name]
+        where, module = os.path.split(os.path.splitext(frame.filename)[0])
+        if os.path.basename(where) == "pipelines" and (module, frame.name) in STAGES:
+            return STAGES[module, frame.name]
     return None
 
 
