@@ -59,7 +59,7 @@ class Placement:
 
 
 class RunStopped(RuntimeError):
-    """The run cannot go on (its learner's worker, every worker or the scheduler is gone);
+    """The run cannot go on (its learner's worker or the scheduler is gone);
     the message says why and how to resume, in one line."""
 
 
@@ -105,11 +105,10 @@ class Watch:
         except Exception as e:  # the comm's own errors, whatever the transport
             raise RunStopped(f"the Dask scheduler is unreachable ({type(e).__name__}: {e}); {resume} "
                              "once it is back") from None
-        if not workers:
-            raise RunStopped(f"the Dask cluster has no workers left; {resume} on a cluster with workers")
         info = workers.get(self.learner)
-        if info is None:
-            raise RunStopped(f"{self._lost()} during {self.doing}; {resume}")
+        if info is None:  # (with every other worker, maybe: then it is the likelier cause)
+            left = "" if workers else " (and no worker is left)"
+            raise RunStopped(f"{self._lost()} during {self.doing}{left}; {resume}")
         self.last_seen = info
         if info.get("status") != "paused":
             self.paused_since = None
