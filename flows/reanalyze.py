@@ -16,6 +16,7 @@ from prefect import flow, get_run_logger, task
 from prefect.artifacts import create_markdown_artifact
 from prefect.cache_policies import NO_CACHE
 
+from flows.train import quiet_task_errors
 from pipelines import cluster as clusters
 from pipelines import reanalyze
 
@@ -46,6 +47,7 @@ def marl_reanalyze(run_dir: str | None = None, store: str | None = None,
     job = reanalyze.plan(run_dir=run_dir, store=store, checkpoint_dir=checkpoint_dir,
                          checkpoint=checkpoint, out=out)  # bad paths fail before a cluster starts
     with clusters.connect(scheduler_address, n_workers=n_workers) as client:
+        quiet_task_errors(client)  # a failed region reaches the user once, not as worker dumps
         worker = clusters.placement(client)["learner"]
         job = prepare_task(client, worker, job)
         logger.info("scoring %d regions of %s with checkpoint %d into %s",
