@@ -42,23 +42,15 @@ def _cell(mean: float, interval, spec: str) -> str:
     return f"{mean:{spec}} [{interval[0]:{spec}}, {interval[1]:{spec}}]"
 
 
-def cmd_eval(args) -> int:
-    run = _load(args)
-    if isinstance(run, int):
-        return run
-    from pipelines.saved_run import METRICS, evaluate_run
-
-    episodes = args.episodes or run.config.eval_episodes
-    report = evaluate_run(run, episodes)
-    if args.json:
-        print(json.dumps(report, indent=2))
-        return 0
-    from rich.console import Console
+def eval_table(report: dict):
+    """The rich table of an evaluate_run report: a row per seed, and mean +- std over seeds."""
     from rich.table import Table
 
-    console = Console(markup=False) if sys.stdout.isatty() else Console(width=160, soft_wrap=True, markup=False)
+    from pipelines.saved_run import METRICS
+
     table = Table(title=f"{report['algo']} on {report['env_id']}: checkpoint {report['checkpoint']} "
-                        f"({report['env_steps']:,} env steps), {episodes} greedy episodes per seed")
+                        f"({report['env_steps']:,} env steps), {report['episodes_per_seed']} greedy "
+                        "episodes per seed")
     table.add_column("seed", justify="right")
     specs = {"win_rate": ".3f", "return": ".3f", "length": ".1f"}
     for m in METRICS:
@@ -70,7 +62,23 @@ def cmd_eval(args) -> int:
         table.add_row("mean +- std", *(f"{mean[m]:{specs[m]}} +- {mean[f'{m}_std']:{specs[m]}} "
                                        f"[{mean[f'{m}_ci95'][0]:{specs[m]}}, {mean[f'{m}_ci95'][1]:{specs[m]}}]"
                                        for m in METRICS))
-    console.print(table)
+    return table
+
+
+def cmd_eval(args) -> int:
+    run = _load(args)
+    if isinstance(run, int):
+        return run
+    from pipelines.saved_run import evaluate_run
+
+    report = evaluate_run(run, args.episodes or run.config.eval_episodes)
+    if args.json:
+        print(json.dumps(report, indent=2))
+        return 0
+    from rich.console import Console
+
+    console = Console(markup=False) if sys.stdout.isatty() else Console(width=160, soft_wrap=True, markup=False)
+    console.print(eval_table(report))
     return 0
 
 

@@ -85,22 +85,28 @@ def seed_params(run: SavedRun, seed: int):
     return jax.tree.map(lambda p: p[seed], run.params)
 
 
-def _episodes(run: SavedRun, params, key, episodes: int) -> dict[str, np.ndarray]:
-    """Per-episode win, return and length of `episodes` greedy episodes on fresh envs:
-    the stages' evaluator for one env, vmapped over episodes (JAX envs) or looped
-    (PettingZoo envs, stepped in NumPy)."""
+def _episode_player(run: SavedRun):
+    """(params, key, episodes) -> per-episode win, return and length of greedy episodes on
+    fresh envs: the stages' evaluator for one env, vmapped over episodes (JAX envs) or
+    looped (PettingZoo envs, stepped in NumPy). Made once per run: one compile for every seed."""
     env, learner = run.parts.env, run.parts.single_seed
-    keys = jax.random.split(key, episodes)
     if env.spec.backend == "jax":
-        evaluate = rollout.make_evaluator(env, learner.act, learner.init_carry, 1, learner.greedy)
-        stats = jax.vmap(evaluate, in_axes=(None, 0))(params, keys)
-        stats = {k: np.asarray(v) for k, v in stats.items()}
+        evaluate = jax.jit(jax.vmap(rollout.make_evaluator(env, learner.act, learner.init_carry, 1, learner.greedy),
+                                    in_axes=(None, 0)))
+        play = lambda params, keys: {k: np.asarray(v) for k, v in evaluate(params, keys).items()}
     else:
         evaluate = rollout.make_numpy_evaluator(env, learner.act, learner.init_carry, 1, learner.greedy)
-        runs = [evaluate(params, k) for k in keys]
-        stats = {k: np.array([float(r[k]) for r in runs]) for k in runs[0]}
-    return {"win_rate": stats["win_rate"].astype(float), "return": stats["return_mean"].astype(float),
-            "length": stats["length_mean"].astype(float)}
+
+        def play(params, keys):
+            runs = [evaluate(params, k) for k in keys]
+            return {k: np.array([float(r[k]) for r in runs]) for k in runs[0]}
+
+    def episodes(params, key, n: int) -> dict[str, np.ndarray]:
+        stats = play(params, jax.random.split(key, n))
+        return {"win_rate": stats["win_rate"].astype(float), "return": stats["return_mean"].astype(float),
+                "length": stats["length_mean"].astype(float)}
+
+    return episodes
 
 
 def _interval(values: np.ndarray) -> tuple[float, float]:
@@ -122,8 +128,9 @@ def evaluate_run(run: SavedRun, episodes: int, seed: int = 0) -> dict:
     (over all episodes where the run has one seed)."""
     key = jax.random.PRNGKey(run.config.seed + 20_000 + seed)
     per_seed, pooled = [], {m: [] for m in METRICS}
+    play = _episode_player(run)
     for s in range(run.config.n_seeds):
-        values = _episodes(run, seed_params(run, s), jax.random.fold_in(key, s), episodes)
+        values = play(seed_params(run, s), jax.random.fold_in(key, s), episodes)
         row = {"seed": s}
         for m in METRICS:
             row[m] = float(values[m].mean())

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import csv
 import glob
+import io
 import json
 import os
 import struct
@@ -48,10 +49,38 @@ def test_eval_reports_each_seed_with_intervals(run, capsys):
         lo, hi = report["mean"][f"{m}_ci95"]
         assert lo <= report["mean"][m] <= hi
     assert 0 <= report["mean"]["win_rate"] <= 1 and report["mean"]["length"] > 0
+    table = render(report)
+    assert "win rate [95% CI]" in table and "checkpoint 2" in table and "mean +- std" not in table
 
-    code, out, err = cli(capsys, "eval", run["run_dir"], "--episodes", 4, "--checkpoint", 2)
-    assert code == 0, err
-    assert "win rate [95% CI]" in out and "checkpoint 2" in out and "smax:3m" in out
+
+def render(report) -> str:
+    from rich.console import Console
+
+    from flows.eval_cli import eval_table
+
+    out = io.StringIO()
+    Console(file=out, width=200, markup=False).print(eval_table(report))
+    return out.getvalue()
+
+
+def test_eval_of_pettingzoo_seeds_reports_their_spread():
+    """Numpy envs played one episode after another; two seeds get a mean +- std row."""
+    import jax
+
+    from pipelines import stages
+    from pipelines.config import make_run_config
+    from pipelines.saved_run import SavedRun, evaluate_run
+
+    config = make_run_config("mappo-pz-spread", run_dir="unused", overrides={"hidden": "16", "n_seeds": "2"})
+    parts = stages.RunParts.build(config)
+    params = parts.learner.policy_params(parts.learner.init(jax.random.PRNGKey(0)))
+    report = evaluate_run(SavedRun(config, parts, 0, {"env_steps": 0}, params), episodes=3)
+    returns = [r["return"] for r in report["per_seed"]]
+    assert len(returns) == 2 and returns[0] != returns[1]
+    assert report["mean"]["return"] == pytest.approx(np.mean(returns))
+    assert report["mean"]["return_std"] == pytest.approx(np.std(returns))
+    assert [r["length"] for r in report["per_seed"]] == [25.0, 25.0]  # simple_spread_v3's max_cycles
+    assert "mean +- std" in render(report)
 
 
 def test_eval_and_export_answer_bad_input_in_one_line(run, tmp_path, capsys):
