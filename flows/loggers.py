@@ -84,17 +84,22 @@ class CSVLogger:
         with open(self.path, "a", newline="") as f:
             csv.DictWriter(f, self.columns, restval="").writerow(row)
 
+    def finish(self, result: dict):
+        pass
+
     def close(self):
         pass
 
 
 class TensorBoardLogger:
-    """Event files under <run_dir>/tensorboard: every numeric metric against env steps,
-    the run config as text."""
+    """Event files under <run_dir>/tensorboard: every numeric metric against env steps, the
+    run config as text and, once the run ends, as hyper-parameters, and the learning curve."""
 
     def __init__(self, run_dir: str, start_iteration: int, config: dict | None = None,
                  start_env_steps: int = 0):
         from tensorboardX import SummaryWriter
+
+        self.config = config
 
         # purge_step: TensorBoard drops what an interrupted run wrote after its checkpoint
         self.writer = SummaryWriter(logdir=os.path.join(run_dir, "tensorboard"),
@@ -109,8 +114,37 @@ class TensorBoardLogger:
                 self.writer.add_scalar(k, v, step)
         self.writer.flush()
 
+    def finish(self, result: dict):
+        """The run config as hyper-parameters (TensorBoard's HParams tab) beside the last
+        evaluation, and the learning-curve figure."""
+        last = next((r for r in reversed(result["history"]) if "test_win_rate" in r), None)
+        if last is not None:
+            metrics = {f"final/{k}": last[k] for k in ("test_win_rate", "test_return")
+                       if isinstance(last.get(k), (int, float)) and math.isfinite(last[k])}
+            self.writer.add_hparams(hyper_parameters(self.config), metrics, name="hparams",
+                                    global_step=int(result["env_steps"]))
+        if result.get("learning_curve") and os.path.isfile(result["learning_curve"]):
+            import matplotlib.image
+
+            image = matplotlib.image.imread(result["learning_curve"])[..., :3]  # RGBA floats -> RGB
+            self.writer.add_image("learning_curve", image, int(result["env_steps"]), dataformats="HWC")
+        self.writer.flush()
+
     def close(self):
-        self.writer.close()
+        self.writer.close()  # closing twice is harmless
+
+
+def hyper_parameters(config: dict | None) -> dict:
+    """The run config as flat scalars (algo_overrides.lr, ...); lists and None as text."""
+    out = {}
+    for k, v in (config or {}).items():
+        if isinstance(v, dict) and k != "env_kwargs":
+            out.update({f"{k}.{kk}": vv for kk, vv in hyper_parameters(v).items()})
+        elif isinstance(v, (bool, int, float, str)):
+            out[k] = v
+        else:
+            out[k] = json.dumps(v)
+    return out
 
 
 def open_loggers(names: list[str], run_dir: str, start_iteration: int, config: dict,

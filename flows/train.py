@@ -165,9 +165,10 @@ def marl_train(preset: str = "qmix-smac", env: str | None = None, env_steps: int
         dataflow = Dataflow(client, config, start, where)
         try:
             history = dataflow.run(on_row)
-        finally:
+        except BaseException:
             for writer in writers:
                 writer.close()
+            raise
         summary = dataflow.summary()
         if dataflow.stopped_early:
             logger.info("stopped after %.0f s (max_wall_s)", config.max_wall_s)
@@ -181,6 +182,12 @@ def marl_train(preset: str = "qmix-smac", env: str | None = None, env_steps: int
               "dataflow": summary, "dashboard": dashboard}
     from flows.artifacts import publish_run_artifacts  # matplotlib only once a run ends
 
-    result["learning_curve"] = publish_run_artifacts(result, config)["learning_curve"]
+    try:
+        result["learning_curve"] = publish_run_artifacts(result, config)["learning_curve"]
+        for writer in writers:  # the run's config and final evaluation, the curve where supported
+            writer.finish(result)
+    finally:
+        for writer in writers:
+            writer.close()
     return result
 

@@ -162,24 +162,30 @@ def read_csv(run_dir):
         return list(csv.DictReader(f))
 
 
-def read_scalars(run_dir) -> dict[str, list[tuple[int, float]]]:
-    """Every scalar in the run's TensorBoard event files (TFRecord framing, tensorboardX's
-    Event proto): tag -> [(step, value)], honouring a resumed run's purge step."""
+def read_events(pattern):
+    """The events of TensorBoard event files (TFRecord framing, tensorboardX's Event proto)."""
     from tensorboardX.proto import event_pb2
 
-    scalars: dict[str, list] = {}
-    for path in sorted(glob.glob(os.path.join(run_dir, "tensorboard", "events.out.tfevents.*"))):
+    for path in sorted(glob.glob(pattern)):
         data, i = open(path, "rb").read(), 0
         while i < len(data):
             (n,) = struct.unpack("<Q", data[i:i + 8])
             event = event_pb2.Event()
             event.ParseFromString(data[i + 12:i + 12 + n])
             i += 12 + n + 4
-            if event.HasField("session_log") and event.session_log.status == event.session_log.START:
-                scalars = {t: [(s, v) for s, v in vs if s < event.step] for t, vs in scalars.items()}
-            for value in event.summary.value:
-                if value.HasField("simple_value"):
-                    scalars.setdefault(value.tag, []).append((event.step, value.simple_value))
+            yield event
+
+
+def read_scalars(run_dir) -> dict[str, list[tuple[int, float]]]:
+    """Every scalar of the run's TensorBoard files: tag -> [(step, value)], honouring a
+    resumed run's purge step."""
+    scalars: dict[str, list] = {}
+    for event in read_events(os.path.join(run_dir, "tensorboard", "events.out.tfevents.*")):
+        if event.HasField("session_log") and event.session_log.status == event.session_log.START:
+            scalars = {t: [(s, v) for s, v in vs if s < event.step] for t, vs in scalars.items()}
+        for value in event.summary.value:
+            if value.HasField("simple_value"):
+                scalars.setdefault(value.tag, []).append((event.step, value.simple_value))
     return scalars
 
 
@@ -191,6 +197,13 @@ def test_loggers_write_every_iteration_and_the_evaluation(run):
     scalars = read_scalars(run["run_dir"])
     assert [s for s, _ in scalars["return"]] == [512, 1024]
     assert scalars["test_win_rate"] == [(1024, pytest.approx(history[1]["test_win_rate"]))]
+    images = [(e.step, v.image) for e in read_events(os.path.join(run["run_dir"], "tensorboard", "events.*"))
+              for v in e.summary.value if v.tag == "learning_curve"]
+    assert len(images) == 1 and images[0][0] == 1024 and images[0][1].height > 100
+    assert images[0][1].encoded_image_string.startswith(b"\x89PNG")
+    hparams = [v for e in read_events(os.path.join(run["run_dir"], "tensorboard", "hparams", "events.*"))
+               for v in e.summary.value if v.metadata.plugin_data.plugin_name == "hparams"]
+    assert hparams and b"algo_overrides.hidden" in hparams[0].metadata.plugin_data.content
 
 
 def test_missing_or_unknown_logger_is_one_line(monkeypatch, capsys):
