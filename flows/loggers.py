@@ -52,6 +52,14 @@ def _flat(row: dict) -> dict:
     return out
 
 
+def _iteration(row: dict) -> float:
+    """A stored row's iteration; a row without one (a torn last line) sorts after every checkpoint."""
+    try:
+        return int(row.get("iteration") or "")
+    except ValueError:
+        return math.inf
+
+
 class CSVLogger:
     """<run_dir>/metrics.csv, one row per iteration; the header grows when a later row has
     new columns (the evaluated iterations), by rewriting the (small) file."""
@@ -61,7 +69,7 @@ class CSVLogger:
         self.rows: list[dict] = []
         if os.path.exists(self.path):
             with open(self.path, newline="") as f:
-                self.rows = [r for r in csv.DictReader(f) if int(r["iteration"]) <= start_iteration]
+                self.rows = [r for r in csv.DictReader(f) if _iteration(r) <= start_iteration]
         self.columns = list(dict.fromkeys(k for r in self.rows for k in r))
         self._rewrite()
 

@@ -228,7 +228,7 @@ def test_resumed_run_appends_without_duplicating_or_dropping_rows(run, dask_clus
 
     path = os.path.join(run["run_dir"], "metrics.csv")
     with open(path, "a") as f:
-        f.write("3,1536,99.0\n")  # logged, then killed before checkpoint 4
+        f.write("3,1536,99.0\n4,20")  # logged, then killed mid-line before checkpoint 4
     result = marl_train(preset=TINY, run_dir=run["run_dir"], env_steps=2048, loggers="csv,tensorboard",
                         scheduler_address=dask_cluster.scheduler_address)
     assert result["resumed_from"] == 2
