@@ -17,7 +17,8 @@ import socket
 # unreachable (the Dask client itself would wait CONNECT_TIMEOUT, two minutes)
 CONNECT_S = 3.0
 # what a run dir may hold (pipelines/stages.py, flows/artifacts.py, this module's error logs)
-RUN_DIR_ENTRIES = {"replay", "checkpoints", "logs", "faults", "reanalysis", "learning_curve.png"}
+RUN_DIR_ENTRIES = {"replay", "checkpoints", "logs", "faults", "reanalysis", "learning_curve.png",
+                   "metrics.csv", "tensorboard"}  # (flows/loggers.py)
 # run settings a resumed run must share with the run that made its store: they fix the
 # store's shape, the region ids, the learner's seeds or what the checkpoint holds
 RESUME_KEYS = ("preset", "algo", "env_id", "env_kwargs", "seed", "n_seeds", "n_collectors",
