@@ -45,16 +45,7 @@ def plan(run_dir: str | None = None, store: str | None = None, checkpoint_dir: s
         raise StoreError(f"no checkpoint directory at {checkpoint_dir}; train first or pass "
                          f"--checkpoints DIR")
     with Checkpointer(checkpoint_dir) as checkpoints:
-        steps = checkpoints.all_steps()
-    if not steps:
-        raise StoreError(f"no checkpoint in {checkpoint_dir}; train first or point at a run dir "
-                         f"that has checkpoints")
-    if checkpoint is None:
-        checkpoint = steps[-1]
-    elif int(checkpoint) not in steps:
-        raise StoreError(f"no checkpoint for step {checkpoint} in {checkpoint_dir} (have {steps}); "
-                         f"pass --checkpoint with one of those")
-    checkpoint = int(checkpoint)
+        checkpoint = checkpoints.step_to_restore(None if checkpoint is None else int(checkpoint))
     base = run_dir or os.path.dirname(store)
     out = os.path.abspath(out or os.path.join(base, "reanalysis", f"step-{checkpoint}"))
     return {"store": store, "checkpoint_dir": checkpoint_dir, "checkpoint_step": checkpoint,

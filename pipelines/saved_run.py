@@ -57,21 +57,13 @@ def load_run(run_dir: str, checkpoint: int | None = None) -> SavedRun:
         raise StoreError(f"{run_dir} is not a run dir: no readable replay store with a run config at "
                          f"{store_path} (it holds: {_listing(run_dir)}); pass the --run-dir of a "
                          "`marl train` run") from None
-    steps = []
-    if os.path.isdir(config.checkpoint_dir):
-        with Checkpointer(config.checkpoint_dir) as checkpoints:
-            steps = checkpoints.all_steps()
-    if not steps:
-        raise StoreError(f"{run_dir} has no checkpoint yet (checkpoints/ holds: "
-                         f"{_listing(config.checkpoint_dir)}); train it longer (checkpoint_every)")
-    if checkpoint is None:
-        checkpoint = steps[-1]
-    elif checkpoint not in steps:
-        raise StoreError(f"{run_dir} has no checkpoint {checkpoint}; it has {', '.join(map(str, steps))}; "
-                         "pass one of those to --checkpoint")
-    parts = stages.RunParts.build(config)
-    target = stages._to_numpy(parts.learner.init(jax.random.PRNGKey(config.seed)))
+    if not os.path.isdir(config.checkpoint_dir):  # (a Checkpointer would make the dir)
+        raise StoreError(f"{run_dir} has no checkpoint yet (it holds: {_listing(run_dir)}); "
+                         "train it longer (checkpoint_every)")
     with Checkpointer(config.checkpoint_dir) as checkpoints:
+        checkpoint = checkpoints.step_to_restore(checkpoint)
+        parts = stages.RunParts.build(config)
+        target = stages._to_numpy(parts.learner.init(jax.random.PRNGKey(config.seed)))
         state, meta = checkpoints.restore(checkpoint, target=target)
     state = jax.tree.map(jnp.asarray, state)
     params = stages._to_numpy(parts.learner.policy_params(state))

@@ -95,7 +95,9 @@ class Checkpointer:
     def all_steps(self) -> list[int]:
         return sorted(self._manager.all_steps())
 
-    def _step_to_restore(self, step: int | None) -> int:
+    def step_to_restore(self, step: int | None = None) -> int:
+        """`step` where it is saved, the latest where None; else a one-line StoreError naming
+        the saved steps."""
         self._manager.wait_until_finished()
         steps = self.all_steps()
         if step is None:
@@ -107,15 +109,15 @@ class Checkpointer:
             step = steps[-1]
         elif step not in steps:
             raise StoreError(
-                f"no checkpoint for step {step} in {self.directory} (have {steps or 'none'}); "
-                f"restore one of those steps"
+                f"no checkpoint for step {step} in {self.directory} (it has "
+                f"{', '.join(map(str, steps)) or 'none'}); pass one of those (--checkpoint)"
             )
         return step
 
     def restore(self, step: int | None = None, target: dict | None = None) -> tuple[dict, dict]:
         """(state, metadata) of `step` (latest if None); `target` fixes structure and dtypes."""
         ocp = self._ocp
-        step = self._step_to_restore(step)
+        step = self.step_to_restore(step)
         restored = self._manager.restore(
             step,
             args=ocp.args.Composite(
@@ -127,7 +129,7 @@ class Checkpointer:
 
     def metadata(self, step: int | None = None) -> dict:
         """The JSON metadata of `step` (latest if None), without reading the state."""
-        step = self._step_to_restore(step)
+        step = self.step_to_restore(step)
         restored = self._manager.restore(
             step, args=self._ocp.args.Composite(metadata=self._ocp.args.JsonRestore()))
         return dict(restored.metadata or {})

@@ -87,8 +87,8 @@ def test_eval_and_export_answer_bad_input_in_one_line(run, tmp_path, capsys):
     (tmp_path / "notes.txt").write_text("not a run")
     for args, words in ((["eval", tmp_path], ["not a run dir", "notes.txt"]),
                         (["eval", tmp_path / "missing"], ["does not exist"]),
-                        (["eval", run["run_dir"], "--checkpoint", 7], ["no checkpoint 7", "it has 2"]),
-                        (["export", run["run_dir"], "--out", tmp_path / "x", "--checkpoint", 9], ["no checkpoint 9"]),
+                        (["eval", run["run_dir"], "--checkpoint", 7], ["no checkpoint for step 7", "it has 2"]),
+                        (["export", run["run_dir"], "--out", tmp_path / "x", "--checkpoint", 9], ["no checkpoint for step 9"]),
                         (["eval", run["run_dir"], "--episodes", 0], ["--episodes 0 must be >= 1"])):
         code, out, err = cli(capsys, *args)
         assert code == 2 and out == "" and err.count("\n") == 1 and "Traceback" not in err, (args, err)
