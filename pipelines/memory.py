@@ -16,8 +16,6 @@ from __future__ import annotations
 import dataclasses
 import math
 
-import numpy as np
-
 from marl.algos import ConfigError
 from pipelines.config import RunConfig
 from storage import Field
@@ -48,8 +46,7 @@ class ReplayMemory:
 
 def step_bytes(fields: dict[str, Field]) -> int:
     """Bytes of one env step of one env: every field, all agents."""
-    return sum(int(np.prod(f.shape, dtype=np.int64)) * np.dtype(f.dtype).itemsize
-               for f in fields.values())
+    return sum(f.nbytes for f in fields.values())
 
 
 def replay_memory(config: RunConfig, fields: dict[str, Field], on_policy: bool,

@@ -130,6 +130,11 @@ class Field:
     def from_json(cls, d: Mapping) -> "Field":
         return cls(shape=tuple(d["shape"]), dtype=d["dtype"], dims=tuple(d["dims"]))
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes of one step of one env."""
+        return int(np.prod(self.shape, dtype=np.int64)) * np.dtype(self.dtype).itemsize
+
     def describe(self) -> str:
         return f"{self.dtype}{list(self.shape)}"
 
@@ -243,7 +248,7 @@ def steps_per_chunk(steps_per_region: int, n_envs: int, field: "Field",
                     chunk_bytes: int = CHUNK_BYTES) -> int:
     """The largest divisor of steps_per_region whose chunk of `field` holds at most
     `chunk_bytes` (at least 1 step), so a region is whole chunks along the step axis."""
-    step_bytes = n_envs * int(np.prod(field.shape, dtype=np.int64)) * np.dtype(field.dtype).itemsize
+    step_bytes = n_envs * field.nbytes
     best = 1
     for t in range(1, steps_per_region + 1):
         if steps_per_region % t == 0 and t * step_bytes <= chunk_bytes:
