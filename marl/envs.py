@@ -2,7 +2,16 @@
 
     smax:<scenario>         jaxmarl SMAX with its heuristic enemy (e.g. smax:3m)
     mpe:<scenario>          jaxmarl MPE (e.g. mpe:simple_spread)
+    jaxmarl:<name>          any env jaxmarl registers (e.g. jaxmarl:hanabi, jaxmarl:overcooked,
+                            jaxmarl:MPE_simple_speaker_listener_v4), env kwargs as jaxmarl
+                            takes them (a SMAX scenario or Overcooked layout by name)
     pz:<module>.<env>       any PettingZoo ParallelEnv (e.g. pz:mpe2.simple_spread_v3)
+
+`marl envs` lists every id. Each spec is derived from the env's own spaces: discrete,
+multi-discrete (one index over the product) or continuous actions; observations of any
+shape flattened; the env's global state where it has one, else the agents' observations
+concatenated; avail-action masks where the env gives them (SMAX, Hanabi's legal moves).
+Agents with different observation or action sizes are padded to the largest (JaxEnv).
 
 JAX envs are adapted to arrays: every step returns a `Timestep` whose leaves are stacked
 over agents ([agent, ...]), so they vmap over envs and scan over time without dicts.
@@ -76,27 +85,48 @@ class Timestep(NamedTuple):
 
 # --------------------------------------------------------------------------- JAX envs
 
+# how each jaxmarl env ends an episode for real (terminated) rather than by its time limit
+# (truncated), and what counts as a win; families not listed end only at their time limit
+TIME_LIMIT_ONLY = ("mpe", "overcooked", "overcooked_v2", "coin_game")
+
 
 class JaxEnv:
-    """A jaxmarl env as arrays, with auto-reset. Pure functions of (key, state)."""
+    """A jaxmarl env as arrays, with auto-reset. Pure functions of (key, state).
 
-    def __init__(self, env, spec: EnvSpec, kind: str):
+    Agents with different observation or action sizes are padded to the largest: zeros
+    after a short observation; discrete actions beyond an agent's own count are ruled out by
+    its avail mask; continuous action dims beyond an agent's own are dropped before the env
+    sees them, and where the agents' bounds differ the learner acts in [-1, 1], rescaled
+    here to each agent's own bounds."""
+
+    def __init__(self, env, spec: EnvSpec, family: str, *, act_sizes, mask, nvec=None,
+                 low=None, high=None, state_key=None):
         self.env = env
         self.spec = spec
-        self.kind = kind  # "smax" or "mpe"
+        self.family = family  # "smax", "mpe", "hanabi", ... (see family_of)
+        self.kind = family  # older name
+        self._act_sizes = tuple(act_sizes)  # each agent's own action count (discrete) or dims
+        self._mask = np.asarray(mask, bool)  # [agent, mask_width]: the padding's mask
+        self._nvec = nvec  # multi-discrete action digits per agent, or None
+        self._low, self._high = low, high  # [agent, action_dim] bounds to rescale into, or None
+        self._state_key = state_key  # the obs entry holding the global state, or None
 
     def _timestep(self, obs: dict, env_state, reward, first, terminated, truncated, won) -> Timestep:
         agents = self.spec.agents
-        obs_arr = jnp.stack([_pad(obs[a], self.spec.obs_dim) for a in agents])
-        if self.kind == "smax":
+        obs_arr = jnp.stack([_pad(_flat(obs[a]), self.spec.obs_dim) for a in agents])
+        if self._state_key is None:
+            state = obs_arr.reshape(-1)
+        elif self.family == "smax":
             # cooldowns count down below zero without bound while a unit holds fire
             state = jnp.where(self._smax_cooldown, jnp.maximum(obs["world_state"], 0.0),
                               obs["world_state"]) * self._smax_state_scale
-            avail = self.env.get_avail_actions(env_state)
-            avail = jnp.stack([avail[a] for a in agents]).astype(bool)
         else:
-            state = obs_arr.reshape(-1)
-            avail = jnp.asarray(self._mpe_mask)
+            state = _flat(obs[self._state_key])
+        avail = jnp.asarray(self._mask)
+        rule = {"smax": "get_avail_actions", "hanabi": "get_legal_moves"}.get(self.family)
+        if rule is not None:
+            given = getattr(self.env, rule)(env_state)
+            avail = avail & jnp.stack([given[a] for a in agents]).astype(bool)
         return Timestep(obs_arr.astype(jnp.float32), state.astype(jnp.float32), avail,
                         reward, first, terminated, truncated, won)
 
@@ -110,43 +140,69 @@ class JaxEnv:
         ts = self._timestep(obs, env_state, jnp.zeros((n,), jnp.float32), jnp.array(True), no, no, no)
         return ts, env_state
 
+    def env_actions(self, actions) -> dict:
+        """The learner's padded [agent, ...] actions -> each agent's own, as the env takes them."""
+        out = {}
+        for i, a in enumerate(self.spec.agents):
+            act = actions[i]
+            if self._nvec is not None:  # one index over the product of the digits
+                act = jnp.stack(jnp.unravel_index(act, self._nvec[i])).astype(jnp.int32)
+            elif not self.spec.discrete:
+                act = act[: self._act_sizes[i]]
+                if self._low is not None:
+                    lo, hi = self._low[i, : self._act_sizes[i]], self._high[i, : self._act_sizes[i]]
+                    act = lo + (jnp.clip(act, -1.0, 1.0) + 1.0) * 0.5 * (hi - lo)
+            out[a] = act
+        return out
+
     def step(self, key, env_state, actions) -> tuple[Timestep, Any]:
         """One step; when the episode ends the returned obs/state are already the next reset's."""
         key_step, key_reset = jax.random.split(key)
-        act = {a: actions[i] for i, a in enumerate(self.spec.agents)}
-        obs, next_state, reward, dones, _ = self.env.step_env(key_step, env_state, act)
-        done = dones["__all__"]
-        terminated = done & self._eliminated(next_state)
-        won = self._won(next_state) & done
+        obs, next_state, reward, dones, info = self.env.step_env(key_step, env_state, self.env_actions(actions))
+        done = jnp.asarray(dones["__all__"], bool)
+        reward = jnp.stack([jnp.asarray(reward[a], jnp.float32) for a in self.spec.agents])
+        real, won = self._ended(next_state, actions, reward, info)
+        terminated = done & real
         obs_re, state_re = self.env.reset(key_reset)
         next_state = jax.tree.map(lambda r, s: jnp.where(done, r, s), state_re, next_state)
         obs = jax.tree.map(lambda r, s: jnp.where(done, r, s), obs_re, obs)
-        reward = jnp.stack([reward[a] for a in self.spec.agents]).astype(jnp.float32)
         return self._timestep(obs, next_state, reward, done, terminated, done & ~terminated,
-                              won), next_state
+                              done & won), next_state
+
+    def _ended(self, env_state, actions, reward, info):
+        """(whether an episode that ended here ended for real, whether it was won), by the
+        env's own rules; an end that is not real is its time limit (truncated)."""
+        no = jnp.array(False)
+        if self.family == "smax":
+            # SMAX ends an episode when a side is wiped out or at its step limit (jaxmarl's
+            # is_terminal: all allies dead | all enemies dead | step >= max_steps): terminated
+            # where a side is gone (even on the limit's step), truncated by the limit with
+            # both sides alive
+            allies, enemies = self._alive(env_state)
+            return ~allies | ~enemies, allies & ~enemies
+        if self.family == "hanabi":  # no time limit: the game ends by its rules; won = all fireworks
+            fireworks = jnp.sum(env_state.fireworks)
+            return jnp.array(True), fireworks == self.env.num_colors * self.env.num_ranks
+        if self.family == "switch_riddle":  # an agent said "tell" (else the step limit); +1 if right
+            told = jnp.any(actions == self.env.game_actions["TELL"])
+            return told, told & (reward[0] > 0)
+        if self.family == "jaxnav":  # every agent at its goal or crashed (else the step limit)
+            s = env_state
+            return jnp.all(s.goal_reached | s.move_term), jnp.all(s.goal_reached)
+        if self.family == "mabrax":  # brax marks its own episode-length ends as truncation
+            return ~jnp.asarray(info.get("truncation", 0.0), bool), no
+        return no, no  # TIME_LIMIT_ONLY: every end is the time limit
 
     def _alive(self, env_state):
         """SMAX: (any ally alive, any enemy alive) in the env's own state."""
-        alive = env_state.state.unit_alive
+        alive = getattr(env_state, "state", env_state).unit_alive
         n = self.env.num_allies
         return jnp.any(alive[:n]), jnp.any(alive[n:])
 
-    def _eliminated(self, env_state):
-        """Whether an episode that ended here ended for real. SMAX ends an episode when a side
-        is wiped out or at its step limit (jaxmarl's is_terminal: all allies dead | all
-        enemies dead | step >= max_steps): it is terminated where a side is gone (even on
-        the limit's step) and truncated by the limit with both sides alive. MPE episodes
-        end only at max_steps: always truncated."""
-        if self.kind != "smax":
-            return jnp.array(False)
-        allies, enemies = self._alive(env_state)
-        return ~allies | ~enemies
 
-    def _won(self, env_state):
-        if self.kind != "smax":
-            return jnp.array(False)
-        allies, enemies = self._alive(env_state)
-        return allies & ~enemies
+def _flat(x):
+    """An agent's observation (an array, an image or a dict of them) as one flat vector."""
+    return jnp.concatenate([jnp.asarray(leaf).reshape(-1).astype(jnp.float32) for leaf in jax.tree.leaves(x)])
 
 
 def _pad(x, size):
@@ -178,33 +234,202 @@ def smax_scenarios() -> list[str]:
     return sorted(smax_env.MAP_NAME_TO_SCENARIO)
 
 
+def jaxmarl_names() -> list[str]:
+    """Every env jaxmarl registers (jaxmarl:<name>), those needing a missing package too."""
+    return list(_quiet_import("jaxmarl.registration").registered_envs)
+
+
 def mpe_scenarios() -> dict[str, str]:
     """mpe:<name> -> jaxmarl registry name, e.g. simple_spread -> MPE_simple_spread_v3."""
+    return {re.sub(r"^MPE_|_v\d+$", "", name): name for name in jaxmarl_names() if name.startswith("MPE_")}
+
+
+MABRAX = ("ant_4x2", "halfcheetah_6x1", "hopper_3x1", "humanoid_9|8", "walker2d_2x3")
+
+
+def family_of(name: str) -> str:
+    """The family of a jaxmarl registered name: mpe, smax, mabrax, storm, robotarium or the
+    name itself (hanabi, overcooked, overcooked_v2, coin_game, jaxnav, switch_riddle)."""
+    if name.startswith("MPE_"):
+        return "mpe"
+    if name.endswith("SMAX"):
+        return "smax"
+    if name in MABRAX:
+        return "mabrax"
+    if name.startswith("storm"):
+        return "storm"
+    if name.startswith("JaxRobotarium_"):
+        return "robotarium"
+    return name
+
+
+def unavailable(name: str) -> str | None:
+    """Why jaxmarl:<name> cannot be made here (a missing package, an env this registry does
+    not adapt), with what would work; None where it can."""
+    family = family_of(name)
+    if family == "mabrax" and not _quiet_import("jaxmarl.environments").MABRAX_AVAILABLE:
+        return ("needs brax, which is not installed; install the mabrax extra "
+                "(pip install 'marl-dataflow[mabrax]')")
+    if family == "robotarium" and not _quiet_import("jaxmarl.environments").SUBMODULE_ENVIRONMENTS:
+        return ("needs the jaxrobotarium package, a git submodule of jaxmarl that is not on PyPI; "
+                "install it from its repository, or use another jaxmarl: env")
+    if name == "LearnedPolicyEnemySMAX":
+        return ("needs a policy function and its params, which an env id and JSON env kwargs cannot "
+                "carry; use jaxmarl:HeuristicEnemySMAX or smax:<map> (e.g. smax:3m)")
+    if family == "storm":
+        return ("its observations and actions are not keyed by agent name, which this registry does "
+                "not adapt yet; use another jaxmarl: env (e.g. jaxmarl:coin_game)")
+    return None
+
+
+def _valid_kwargs(env) -> set[str]:
+    """Every keyword the env's classes take: jaxmarl envs pass **kwargs up their base classes,
+    the last of which drops what it does not know, so a misspelt kwarg would be ignored."""
+    classes = [*type(env).__mro__, *type(getattr(env, "_env", env)).__mro__]  # SMAX wrappers hold one
+    return {name for cls in classes if "__init__" in vars(cls)
+            for name, p in inspect.signature(cls.__init__).parameters.items()
+            if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)} - {"self"}
+
+
+def _named_kwargs(env_id: str, name: str, kwargs: dict) -> dict:
+    """JSON env kwargs that name a jaxmarl object (a SMAX scenario, an Overcooked layout) ->
+    the object."""
+    kwargs = dict(kwargs)
+    family = family_of(name)
+    if family == "smax" and isinstance(kwargs.get("scenario"), str):
+        if kwargs["scenario"] not in smax_scenarios():
+            raise EnvError(f"{env_id}: unknown scenario {kwargs['scenario']!r}; valid: {', '.join(smax_scenarios())}")
+        from jaxmarl.environments.smax import map_name_to_scenario
+
+        kwargs["scenario"] = map_name_to_scenario(kwargs["scenario"])
+    if name == "overcooked" and isinstance(kwargs.get("layout"), str):
+        from flax.core import FrozenDict
+        from jaxmarl.environments.overcooked import overcooked_layouts
+
+        if kwargs["layout"] not in overcooked_layouts:
+            raise EnvError(f"{env_id}: unknown layout {kwargs['layout']!r}; valid: {', '.join(sorted(overcooked_layouts))}")
+        kwargs["layout"] = FrozenDict(overcooked_layouts[kwargs["layout"]])
+    return kwargs
+
+
+def _make_jaxmarl(env_id: str, name: str, kwargs: dict) -> JaxEnv:
+    """Any jaxmarl registered env, its spec derived from its own spaces and a traced reset
+    (some declared observation spaces differ from what the env returns)."""
+    why = unavailable(name)
+    if why:
+        raise EnvError(f"{env_id} {why}")
     registration = _quiet_import("jaxmarl.registration")
-    return {re.sub(r"^MPE_|_v\d+$", "", name): name
-            for name in registration.registered_envs if name.startswith("MPE_")}
-
-
-def _make_smax(env_id: str, scenario: str, kwargs: dict) -> JaxEnv:
-    from jaxmarl.environments.smax import HeuristicEnemySMAX, SMAX, map_name_to_scenario
-
-    _check_kwargs(env_id, SMAX.__init__, kwargs, reserved={"scenario"})
+    family = family_of(name)
     try:
-        env = HeuristicEnemySMAX(scenario=map_name_to_scenario(scenario), **kwargs)
-    except (TypeError, ValueError) as e:
-        raise EnvError(f"{env_id}: bad env kwarg ({e}); see jaxmarl's SMAX arguments") from None
-    if env.action_type != "discrete":
+        env = registration.make(name, **_named_kwargs(env_id, name, kwargs))
+        error = None
+    except EnvError:
+        raise
+    except Exception as e:  # jaxmarl answers a bad value with whatever its code raises
+        env, error = None, e
+    valid = _valid_kwargs(env if env is not None else registration.make(name))
+    unknown = sorted(set(kwargs) - valid)
+    if unknown:
+        raise EnvError(f"{env_id}: unknown env kwarg(s) {', '.join(unknown)}; valid: {', '.join(sorted(valid))}")
+    if error is not None:
+        why = " ".join(f"{type(error).__name__}: {error}".split())
+        raise EnvError(f"{env_id}: bad env kwarg value ({why}); see jaxmarl's {name} arguments")
+    if family == "smax" and getattr(env, "action_type", "discrete") != "discrete":
         raise EnvError(f"{env_id}: only discrete SMAX actions are supported; drop action_type")
+    return _adapt(env, env_id, family)
+
+
+def _space_of(space, env_id: str, agent) -> tuple[str, int, Any]:
+    """("discrete", n, digits or None) or ("continuous", dims, (low, high)) of one agent's
+    action space (a multi-discrete one is one index over the product of its digits)."""
+    if hasattr(space, "n"):
+        return "discrete", int(space.n), None
+    nvec = getattr(space, "nvec", getattr(space, "num_categories", None))
+    if nvec is not None:
+        nvec = tuple(int(v) for v in np.asarray(nvec).reshape(-1))
+        return "discrete", int(np.prod(nvec)), nvec
+    if hasattr(space, "low") and hasattr(space, "shape"):
+        dims = int(np.prod(space.shape))
+        low = np.broadcast_to(np.asarray(space.low, np.float32), (dims,))
+        high = np.broadcast_to(np.asarray(space.high, np.float32), (dims,))
+        return "continuous", dims, (low, high)
+    raise EnvError(f"{env_id}: agent {agent}'s action space {type(space).__name__} is neither "
+                   "discrete, multi-discrete nor a box; pick another env")
+
+
+def action_layout(env_id: str, spaces: list) -> dict:
+    """The padded action layout of agents with these action spaces: EnvSpec's action fields
+    plus the mask of each agent's own actions and what the adapter needs to map the padded
+    actions back (digits of multi-discrete spaces, per-agent bounds to rescale into)."""
+    described = [_space_of(s, env_id, i) for i, s in enumerate(spaces)]
+    kinds = {d[0] for d in described}
+    if len(kinds) > 1:
+        raise EnvError(f"{env_id}: some agents act in discrete and some in continuous spaces, which one "
+                       "learner cannot drive; pick another env or an env kwarg that makes them alike")
+    discrete = kinds == {"discrete"}
+    sizes = [d[1] for d in described]
+    width = max(sizes)
+    if discrete:
+        nvecs = [d[2] for d in described]
+        return dict(discrete=True, n_actions=width, action_dim=0, action_low=0.0, action_high=0.0,
+                    sizes=sizes, mask=np.arange(width)[None, :] < np.array(sizes)[:, None],
+                    nvec=nvecs if any(nvecs) else None, low=None, high=None)
+    low = np.zeros((len(sizes), width), np.float32)
+    high = np.ones((len(sizes), width), np.float32)
+    for i, (_, dims, (lo, hi)) in enumerate(described):
+        low[i, :dims], high[i, :dims] = lo, hi
+    bounds = {(float(l), float(h)) for (_, dims, (lo, hi)) in described for l, h in zip(lo, hi)}
+    if len(bounds) == 1:  # one range for all: the learner acts in it, nothing to rescale
+        (lo, hi), low, high = bounds.pop(), None, None
+    else:
+        lo, hi = -1.0, 1.0
+    if not (np.isfinite(lo) and np.isfinite(hi)):
+        raise EnvError(f"{env_id}: continuous actions without finite bounds are not supported; pick another env")
+    return dict(discrete=False, n_actions=0, action_dim=width, action_low=lo, action_high=hi, sizes=sizes,
+                mask=np.ones((len(sizes), 1), bool), nvec=None, low=low, high=high)
+
+
+def _episode_limit(env, family: str) -> int:
+    """The most steps an episode runs (the evaluator plays that many + 1)."""
+    if family == "hanabi":
+        # no step limit: each play or discard draws a card until the deck is empty, then every
+        # player has one more turn; a hint spends an info token, which only the start, a
+        # discard or a completed firework gives
+        plays_discards = env.deck_size - env.num_agents * env.hand_size + env.num_agents
+        return int(2 * plays_discards + env.max_info_tokens + env.num_colors)
+    if family == "coin_game":
+        return int(env.num_inner_steps * env.num_outer_steps)
+    if family == "mabrax":
+        return int(env.episode_length)
+    return int(env.max_steps)
+
+
+def _adapt(env, env_id: str, family: str) -> JaxEnv:
     agents = tuple(env.agents)
+    obs, _ = jax.eval_shape(env.reset, jax.random.PRNGKey(0))
+    size = lambda tree: sum(int(np.prod(leaf.shape)) for leaf in jax.tree.leaves(tree))
+    obs_dim = max(size(obs[a]) for a in agents)
+    state_key = "world_state" if isinstance(obs, dict) and "world_state" in obs else None
+    layout = action_layout(env_id, [env.action_space(a) for a in agents])
     spec = EnvSpec(
-        env_id=env_id, agents=agents, obs_dim=int(env.obs_size), state_dim=int(env.state_size),
-        discrete=True, n_actions=int(env.action_space(agents[0]).n), action_dim=0,
-        action_low=0.0, action_high=0.0, has_avail_actions=True,
-        episode_limit=int(env.max_steps), backend="jax")
-    adapted = JaxEnv(env, spec, "smax")
-    # jaxmarl's world state has raw map positions (0..32), unit type ids and weapon cooldowns
-    # that fall without bound; scale and clip them to about [0, 1] so mixers and critics see
-    # inputs on the same scale as the observations
+        env_id=env_id, agents=agents, obs_dim=obs_dim,
+        state_dim=size(obs[state_key]) if state_key else obs_dim * len(agents),
+        discrete=layout["discrete"], n_actions=layout["n_actions"], action_dim=layout["action_dim"],
+        action_low=layout["action_low"], action_high=layout["action_high"],
+        has_avail_actions=bool(family in ("smax", "hanabi") or not layout["mask"].all()),
+        episode_limit=_episode_limit(env, family), backend="jax")
+    adapted = JaxEnv(env, spec, family, act_sizes=layout["sizes"], mask=layout["mask"],
+                     nvec=layout["nvec"], low=layout["low"], high=layout["high"], state_key=state_key)
+    if family == "smax":
+        _scale_smax_state(adapted)
+    return adapted
+
+
+def _scale_smax_state(adapted: JaxEnv) -> None:
+    """jaxmarl's world state has raw map positions (0..32), unit type ids and weapon cooldowns
+    that fall without bound; scale and clip them to about [0, 1] so mixers and critics see
+    inputs on the same scale as the observations."""
+    env = adapted.env
     n_units, n_feat = env.num_allies + env.num_enemies, len(env.own_features)
     scale = np.ones((n_units, n_feat), np.float32)
     scale[:, 1], scale[:, 2] = 1.0 / env.map_width, 1.0 / env.map_height
@@ -213,64 +438,36 @@ def _make_smax(env_id: str, scenario: str, kwargs: dict) -> JaxEnv:
     cooldown = np.zeros((n_units, n_feat), bool)
     cooldown[:, 3] = True
     adapted._smax_cooldown = jnp.asarray(np.concatenate([cooldown.reshape(-1), np.zeros(2 * n_units, bool)]))
-    return adapted
 
 
-def _make_mpe(env_id: str, registry_name: str, kwargs: dict) -> JaxEnv:
-    import jaxmarl
-
-    try:
-        env = jaxmarl.make(registry_name, **kwargs)
-    except (TypeError, ValueError) as e:
-        raise EnvError(f"{env_id}: bad env kwarg ({e}); see jaxmarl's {registry_name} arguments") from None
-    # MPE envs pass **kwargs up their base classes, the last of which drops what it does not
-    # know: a misspelt kwarg would be ignored without a word
-    valid = {name for cls in type(env).__mro__ if "__init__" in vars(cls)
-             for name in inspect.signature(cls.__init__).parameters} - {"self", "args", "kwargs"}
-    unknown = sorted(set(kwargs) - valid)
-    if unknown:
-        raise EnvError(f"{env_id}: unknown env kwarg(s) {', '.join(unknown)}; valid: {', '.join(sorted(valid))}")
-    agents = tuple(env.agents)
-    obs_dim = max(int(np.prod(env.observation_space(a).shape)) for a in agents)
-    space = env.action_space(agents[0])
-    discrete = hasattr(space, "n")
-    if discrete:
-        sizes = [int(env.action_space(a).n) for a in agents]
-        n_actions = max(sizes)
-        mask = np.array([[i < s for i in range(n_actions)] for s in sizes], bool)
-        action_dim, low, high = 0, 0.0, 0.0
-    else:
-        n_actions, action_dim = 0, int(np.prod(space.shape))
-        mask = np.ones((len(agents), 1), bool)
-        low, high = float(np.min(space.low)), float(np.max(space.high))
-    spec = EnvSpec(
-        env_id=env_id, agents=agents, obs_dim=obs_dim, state_dim=obs_dim * len(agents),
-        discrete=discrete, n_actions=n_actions, action_dim=action_dim, action_low=low,
-        action_high=high, has_avail_actions=bool(discrete and not mask.all()),
-        episode_limit=int(env.max_steps), backend="jax")
-    adapted = JaxEnv(env, spec, "mpe")
-    adapted._mpe_mask = mask
-    return adapted
+def _make_smax(env_id: str, scenario: str, kwargs: dict) -> JaxEnv:
+    if "scenario" in kwargs:
+        raise EnvError(f"{env_id}: the id names the scenario; drop the scenario env kwarg "
+                       "(or use jaxmarl:HeuristicEnemySMAX with it)")
+    return _make_jaxmarl(env_id, "HeuristicEnemySMAX", {**kwargs, "scenario": scenario})
 
 
 # ------------------------------------------------------------------- PettingZoo envs
 
 
 class PettingZooEnv:
-    """A PettingZoo ParallelEnv as numpy Timesteps, with auto-reset (one env instance)."""
+    """A PettingZoo ParallelEnv as numpy Timesteps, with auto-reset (one env instance).
+    Agents with different spaces are padded as in JaxEnv."""
 
     def __init__(self, factory, spec: EnvSpec):
         self.factory = factory
         self.env = factory()
         self.spec = spec
         self._episode_steps = 0
+        spaces = getattr(self.env, "action_space", None)
+        self._layout = action_layout(spec.env_id, [spaces(a) for a in spec.agents]) if spaces else None
 
     def _timestep(self, obs, reward, first, terminated, truncated) -> Timestep:
         agents, s = self.spec.agents, self.spec
         obs_arr = np.zeros((s.n_agents, s.obs_dim), np.float32)
         for i, a in enumerate(agents):
             if a in obs:
-                flat = np.asarray(obs[a], np.float32).reshape(-1)
+                flat = _flat_np(obs[a])
                 obs_arr[i, : flat.size] = flat
         if hasattr(self.env, "state"):
             try:
@@ -279,7 +476,10 @@ class PettingZooEnv:
                 state = obs_arr.reshape(-1)
         else:
             state = obs_arr.reshape(-1)
-        avail = np.ones((s.n_agents, s.mask_width), bool)
+        if self._layout is None:
+            avail = np.ones((s.n_agents, s.mask_width), bool)
+        else:
+            avail = self._layout["mask"].copy()
         return Timestep(obs_arr, state, avail, reward, np.bool_(first), np.bool_(terminated),
                         np.bool_(truncated), np.bool_(False))
 
@@ -288,11 +488,27 @@ class PettingZooEnv:
         self._episode_steps = 0
         return self._timestep(obs, np.zeros(self.spec.n_agents, np.float32), True, False, False)
 
+    def _env_action(self, i: int, action):
+        """Agent i's padded action -> its own, as its space takes it."""
+        layout = self._layout
+        if self.spec.discrete:
+            if layout is not None and layout["nvec"] is not None:
+                return np.asarray(np.unravel_index(int(action), layout["nvec"][i]), np.int64)
+            return int(action)
+        action = np.asarray(action, np.float32)
+        if layout is None:
+            return action
+        size = layout["sizes"][i]
+        action = action[:size]
+        if layout["low"] is not None:
+            lo, hi = layout["low"][i, :size], layout["high"][i, :size]
+            action = lo + (np.clip(action, -1.0, 1.0) + 1.0) * 0.5 * (hi - lo)
+        return action
+
     def step(self, actions: np.ndarray) -> Timestep:
         agents = self.spec.agents
         live = self.env.agents
-        act = {a: (int(actions[i]) if self.spec.discrete else np.asarray(actions[i], np.float32))
-               for i, a in enumerate(agents) if a in live}
+        act = {a: self._env_action(i, actions[i]) for i, a in enumerate(agents) if a in live}
         acting = list(live)  # PettingZoo envs may empty env.agents in place when it ends
         obs, rew, term, trunc, _ = self.env.step(act)
         self._episode_steps += 1
@@ -305,6 +521,13 @@ class PettingZooEnv:
             obs, _ = self.env.reset()
             self._episode_steps = 0
         return self._timestep(obs, reward, done, done and not truncated, truncated)
+
+
+def _flat_np(x) -> np.ndarray:
+    """An observation (an array, an image or a dict of them) as one flat float32 vector."""
+    leaves = jax.tree.leaves(x)
+    return np.concatenate([np.asarray(leaf, np.float32).reshape(-1) for leaf in leaves]) if leaves \
+        else np.zeros(0, np.float32)
 
 
 def _make_pettingzoo(env_id: str, target: str, kwargs: dict) -> PettingZooEnv:
@@ -328,23 +551,21 @@ def _make_pettingzoo(env_id: str, target: str, kwargs: dict) -> PettingZooEnv:
         return factory_fn(**kwargs)
 
     probe = factory()
-    probe.reset(seed=0)
+    first_obs, _ = probe.reset(seed=0)
     agents = tuple(probe.possible_agents)
-    obs_dim = max(int(np.prod(probe.observation_space(a).shape)) for a in agents)
-    space = probe.action_space(agents[0])
-    discrete = hasattr(space, "n")
+    # the observations as they come (a dict or image space has no flat shape to read)
+    obs_dim = max(_flat_np(first_obs[a]).size for a in agents if a in first_obs)
+    layout = action_layout(env_id, [probe.action_space(a) for a in agents])
     try:
         state_dim = int(np.prod(probe.state().shape))
     except (AttributeError, NotImplementedError):
         state_dim = obs_dim * len(agents)
     limit = int(getattr(probe, "max_cycles", 0) or getattr(getattr(probe, "unwrapped", probe), "max_cycles", 0) or 0)
     spec = EnvSpec(
-        env_id=env_id, agents=agents, obs_dim=obs_dim, state_dim=state_dim, discrete=discrete,
-        n_actions=int(max(probe.action_space(a).n for a in agents)) if discrete else 0,
-        action_dim=0 if discrete else int(np.prod(space.shape)),
-        action_low=0.0 if discrete else float(np.min(space.low)),
-        action_high=0.0 if discrete else float(np.max(space.high)),
-        has_avail_actions=False, episode_limit=limit, backend="numpy")
+        env_id=env_id, agents=agents, obs_dim=obs_dim, state_dim=state_dim, discrete=layout["discrete"],
+        n_actions=layout["n_actions"], action_dim=layout["action_dim"], action_low=layout["action_low"],
+        action_high=layout["action_high"], has_avail_actions=bool(not layout["mask"].all()),
+        episode_limit=limit, backend="numpy")
     probe.close()
     return PettingZooEnv(factory, spec)
 
@@ -363,8 +584,16 @@ def _check_kwargs(env_id: str, fn, kwargs: dict, reserved: frozenset | set = fro
 
 
 def env_ids() -> list[str]:
-    """Every concrete id the registry knows (pz: takes any importable PettingZoo env)."""
-    return ([f"smax:{s}" for s in smax_scenarios()] + [f"mpe:{s}" for s in sorted(mpe_scenarios())])
+    """Every concrete id the registry knows, those that need a missing package too (see
+    `unavailable`); pz: takes any importable PettingZoo env."""
+    return ([f"smax:{s}" for s in smax_scenarios()] + [f"mpe:{s}" for s in sorted(mpe_scenarios())]
+            + [f"jaxmarl:{name}" for name in jaxmarl_names()])
+
+
+def why_not(env_id: str) -> str | None:
+    """Why a listed id cannot be made here (with what would work), None where it can."""
+    kind, _, name = str(env_id).partition(":")
+    return unavailable(name) if kind == "jaxmarl" else None
 
 
 def make(env_id: str, **kwargs) -> JaxEnv | PettingZooEnv:
@@ -373,11 +602,13 @@ def make(env_id: str, **kwargs) -> JaxEnv | PettingZooEnv:
     if kind == "smax" and name in smax_scenarios():
         return _make_smax(env_id, name, kwargs)
     if kind == "mpe" and name in mpe_scenarios():
-        return _make_mpe(env_id, mpe_scenarios()[name], kwargs)
+        return _make_jaxmarl(env_id, mpe_scenarios()[name], kwargs)
+    if kind == "jaxmarl" and name in jaxmarl_names():
+        return _make_jaxmarl(env_id, name, kwargs)
     if kind == "pz" and name:
         return _make_pettingzoo(env_id, name, kwargs)
-    raise EnvError(f"unknown env id {env_id!r}; valid ids: {', '.join(env_ids())}, "
-                   "or pz:<module>.<env> (e.g. pz:mpe2.simple_spread_v3)")
+    raise EnvError(f"unknown env id {env_id!r}; `marl envs` lists them all, e.g. smax:3m, mpe:simple_spread, "
+                   "jaxmarl:hanabi, jaxmarl:overcooked, or pz:<module>.<env> (e.g. pz:mpe2.simple_spread_v3)")
 
 
 def spec_of(env_id: str, **kwargs) -> EnvSpec:
