@@ -17,7 +17,8 @@ import sys
 
 
 # modules that add subcommands: each has add_commands(subparsers)
-COMMAND_MODULES = ("flows.replay_cli", "flows.stack", "flows.benchmark_cli", "flows.eval_cli")
+COMMAND_MODULES = ("flows.replay_cli", "flows.stack", "flows.benchmark_cli", "flows.eval_cli",
+                   "flows.envs_cli")
 
 
 def _embedded_defaults():

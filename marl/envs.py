@@ -105,7 +105,7 @@ class JaxEnv:
         self.spec = spec
         self.family = family  # "smax", "mpe", "hanabi", ... (see family_of)
         self.kind = family  # older name
-        self._act_sizes = tuple(act_sizes)  # each agent's own action count (discrete) or dims
+        self.action_sizes = tuple(act_sizes)  # each agent's own action count (discrete) or dims
         self._mask = np.asarray(mask, bool)  # [agent, mask_width]: the padding's mask
         self._nvec = nvec  # multi-discrete action digits per agent, or None
         self._low, self._high = low, high  # [agent, action_dim] bounds to rescale into, or None
@@ -148,9 +148,9 @@ class JaxEnv:
             if self._nvec is not None:  # one index over the product of the digits
                 act = jnp.stack(jnp.unravel_index(act, self._nvec[i])).astype(jnp.int32)
             elif not self.spec.discrete:
-                act = act[: self._act_sizes[i]]
+                act = act[: self.action_sizes[i]]
                 if self._low is not None:
-                    lo, hi = self._low[i, : self._act_sizes[i]], self._high[i, : self._act_sizes[i]]
+                    lo, hi = self._low[i, : self.action_sizes[i]], self._high[i, : self.action_sizes[i]]
                     act = lo + (jnp.clip(act, -1.0, 1.0) + 1.0) * 0.5 * (hi - lo)
             out[a] = act
         return out
@@ -461,6 +461,8 @@ class PettingZooEnv:
         self._episode_steps = 0
         spaces = getattr(self.env, "action_space", None)
         self._layout = action_layout(spec.env_id, [spaces(a) for a in spec.agents]) if spaces else None
+        # each agent's own action count (discrete) or dims
+        self.action_sizes = tuple(self._layout["sizes"]) if self._layout else ()
 
     def _timestep(self, obs, reward, first, terminated, truncated) -> Timestep:
         agents, s = self.spec.agents, self.spec
@@ -583,11 +585,20 @@ def _check_kwargs(env_id: str, fn, kwargs: dict, reserved: frozenset | set = fro
         raise EnvError(f"{env_id}: unknown env kwarg(s) {', '.join(bad)}; valid: {', '.join(valid)}")
 
 
+def pz_ids() -> list[str]:
+    """The PettingZoo envs the project installs (mpe2's); pz: takes any other importable one."""
+    import pkgutil
+
+    import mpe2
+
+    return [f"pz:mpe2.{m.name}" for m in pkgutil.iter_modules(mpe2.__path__) if re.search(r"_v\d+$", m.name)]
+
+
 def env_ids() -> list[str]:
     """Every concrete id the registry knows, those that need a missing package too (see
-    `unavailable`); pz: takes any importable PettingZoo env."""
+    `why_not`); pz: takes any importable PettingZoo env beside the installed ones listed."""
     return ([f"smax:{s}" for s in smax_scenarios()] + [f"mpe:{s}" for s in sorted(mpe_scenarios())]
-            + [f"jaxmarl:{name}" for name in jaxmarl_names()])
+            + [f"jaxmarl:{name}" for name in jaxmarl_names()] + pz_ids())
 
 
 def why_not(env_id: str) -> str | None:
