@@ -152,10 +152,20 @@ def check_resume(config) -> None:
 
 
 def check_env(config):
-    """The env exists with these kwargs and the algorithm can act in it; returns its spec."""
+    """The env exists with these kwargs (and its optional packages are installed) and the
+    algorithm can act in it; returns its spec."""
     from marl import algos, envs
+    from pipelines.config import PRESETS
 
-    spec = envs.make(config.env_id, **config.env_kwargs).spec
+    preset = PRESETS.get(config.preset, {})
+    try:
+        spec = envs.make(config.env_id, **config.env_kwargs).spec
+    except envs.EnvError as e:
+        # a preset's env kwargs are for its own env: say where they came from
+        if config.env_kwargs and config.env_kwargs == preset.get("env_kwargs") and config.env_id != preset.get("env_id"):
+            raise envs.EnvError(f"{e} (these env kwargs are preset {config.preset}'s for {preset['env_id']}; "
+                                "pass --set env_kwargs='{}' or kwargs for this env)") from None
+        raise
     algos.check_env(config.algo, spec)
     return spec
 
