@@ -1,6 +1,7 @@
 """`marl eval` and `marl export`: a trained run, after training, in this process (no Dask, no Prefect).
 
     marl eval RUN_DIR [--checkpoint N] [--episodes E] [--json]
+    marl eval RUN_DIR --render team.gif [--render-episodes E] [--render-steps T] [--seed-index S]
     marl export RUN_DIR --out DIR [--checkpoint N] [--seed-index S]
 """
 
@@ -23,6 +24,16 @@ def _load(args):
 
     try:
         checks.check_count("--episodes", getattr(args, "episodes", None), example=32)
+        if getattr(args, "render", None):  # a bad path or a missing encoder before the run loads
+            from pipelines.render import RenderError, check_output
+
+            checks.check_count("--render-episodes", args.render_episodes, example=2)
+            checks.check_count("--render-steps", args.render_steps, example=50)
+            checks.check_writable_path(args.render, "--render", directory=False)
+            try:
+                check_output(args.render)
+            except RenderError as e:
+                raise checks.InputError(str(e)) from None
         if args.checkpoint is not None and args.checkpoint < 0:
             raise checks.InputError(f"--checkpoint {args.checkpoint} must be a checkpoint step >= 0, e.g. --checkpoint 20")
     except checks.InputError as e:
@@ -69,6 +80,8 @@ def cmd_eval(args) -> int:
     run = _load(args)
     if isinstance(run, int):
         return run
+    if args.render:
+        return _render(run, args)
     from pipelines.saved_run import evaluate_run
 
     report = evaluate_run(run, args.episodes or run.config.eval_episodes)
@@ -79,6 +92,29 @@ def cmd_eval(args) -> int:
 
     console = Console(markup=False) if sys.stdout.isatty() else Console(width=160, soft_wrap=True, markup=False)
     console.print(eval_table(report))
+    return 0
+
+
+def _render(run, args) -> int:
+    import matplotlib
+
+    matplotlib.use("Agg")  # jaxmarl's MPE visualiser draws with pyplot: never open a window
+    from pipelines.render import RenderError, render_run
+
+    try:
+        done = render_run(run, args.render, args.render_episodes, args.seed_index, args.render_steps)
+    except RenderError as e:
+        return _fail(e)
+    if args.json:
+        print(json.dumps(done, indent=2))
+        return 0
+    episodes = done["episodes"]
+    won = sum(e["won"] for e in episodes)
+    print(f"wrote {args.render}: {len(episodes)} greedy episode(s) of {run.config.algo} on {run.config.env_id} "
+          f"(checkpoint {run.checkpoint}, seed {args.seed_index}), {done['frames']} frames of "
+          f"{done['width']}x{done['height']} at {done['fps']} fps; returns "
+          f"{', '.join(format(e['return'], '.3f') for e in episodes)}, lengths "
+          f"{', '.join(str(e['length']) for e in episodes)}, won {won}/{len(episodes)}")
     return 0
 
 
@@ -110,6 +146,13 @@ def add_commands(sub) -> None:
     p.add_argument("--checkpoint", type=int, help="checkpoint step (iteration) to restore (default: the latest)")
     p.add_argument("--episodes", type=int, help="greedy episodes per seed (default: the run's eval_episodes)")
     p.add_argument("--json", action="store_true", help="print the report as JSON instead of a table")
+    p.add_argument("--render", metavar="PATH", help="instead of the table, play --render-episodes greedy "
+                   "episodes and write them as a .gif (or .mp4 where ffmpeg is installed) drawn by the env's "
+                   "own visualiser (SMAX, MPE, PettingZoo's rgb_array)")
+    p.add_argument("--render-episodes", type=int, default=2, help="episodes to render (default 2)")
+    p.add_argument("--render-steps", type=int, help="render at most this many env steps per episode "
+                   "(default: whole episodes)")
+    p.add_argument("--seed-index", type=int, default=0, help="which seed of a --seeds run to render (default 0)")
     p.set_defaults(fn=cmd_eval)
 
     p = sub.add_parser("export", help="write a trained run's policy as plain files for marl.load_policy",

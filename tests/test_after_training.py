@@ -1,6 +1,6 @@
-"""After training, on one tiny real run (real checkpoints, real store): `marl eval`, `marl export`
-+ `marl.load_policy` (same actions as the learner), and the metric loggers read back,
-including a resumed run that appends."""
+"""After training, on one tiny real run (real checkpoints, real store): `marl eval`, `marl eval
+--render` (GIFs drawn by the envs' own visualisers), `marl export` + `marl.load_policy` (same
+actions as the learner), and the metric loggers read back, including a resumed run that appends."""
 
 from __future__ import annotations
 
@@ -89,10 +89,75 @@ def test_eval_and_export_answer_bad_input_in_one_line(run, tmp_path, capsys):
                         (["eval", tmp_path / "missing"], ["does not exist"]),
                         (["eval", run["run_dir"], "--checkpoint", 7], ["no checkpoint for step 7", "it has 2"]),
                         (["export", run["run_dir"], "--out", tmp_path / "x", "--checkpoint", 9], ["no checkpoint for step 9"]),
-                        (["eval", run["run_dir"], "--episodes", 0], ["--episodes 0 must be >= 1"])):
+                        (["eval", run["run_dir"], "--episodes", 0], ["--episodes 0 must be >= 1"]),
+                        (["eval", run["run_dir"], "--render", tmp_path / "team.png"], ["write a .gif or an .mp4"]),
+                        (["eval", run["run_dir"], "--render", tmp_path / "notes.txt" / "a.gif"], ["which is a file"]),
+                        (["eval", run["run_dir"], "--render", tmp_path / "a.gif", "--render-episodes", 0],
+                         ["--render-episodes 0 must be >= 1"])) + no_mp4(tmp_path):
         code, out, err = cli(capsys, *args)
         assert code == 2 and out == "" and err.count("\n") == 1 and "Traceback" not in err, (args, err)
         assert all(w in err for w in words), (args, err)
+
+
+def no_mp4(tmp_path):
+    """Without ffmpeg an .mp4 is a one-line error naming it (with it, the .mp4 is written)."""
+    from matplotlib import animation
+
+    return () if animation.writers.is_available("ffmpeg") else \
+        ((["eval", "unused-run-dir", "--render", tmp_path / "team.mp4"], ["needs ffmpeg", "or write a .gif"]),)
+
+
+def gif(path):
+    from PIL import Image
+
+    with Image.open(path) as im:
+        return im.format, im.size, im.n_frames
+
+
+def test_render_writes_a_gif_of_the_trained_team(run, tmp_path, capsys):
+    """SMAX: jaxmarl's renderer draws 4 of the 8 world sub-steps of each env step."""
+    from pipelines.render import SMAX_DPI
+
+    out = tmp_path / "gifs" / "team.gif"  # its dir is made
+    code, stdout, err = cli(capsys, "eval", run["run_dir"], "--render", out, "--render-episodes", 1,
+                            "--render-steps", 3, "--json")
+    assert code == 0 and err == "", err
+    done = json.loads(stdout)
+    assert (done["checkpoint"], done["frames"], done["fps"]) == (2, 12, 8)
+    assert [e["length"] for e in done["episodes"]] == [3]
+    fmt, size, frames = gif(out)
+    assert fmt == "GIF" and frames > 1 and size == (done["width"], done["height"]) == (6 * SMAX_DPI, 5 * SMAX_DPI)
+    code, stdout, err = cli(capsys, "eval", run["run_dir"], "--render", out, "--render-episodes", 1,
+                            "--render-steps", 1)
+    assert code == 0 and stdout.startswith(f"wrote {out}: 1 greedy episode(s) of qmix on smax:3m (checkpoint 2")
+    assert "4 frames of 480x400" in stdout and gif(out)[2] > 1
+
+
+@pytest.mark.parametrize("preset", ["mappo-mpe-tiny", "mappo-pz-spread"])
+def test_render_of_mpe_and_pettingzoo(preset, tmp_path):
+    """MPE: jaxmarl's MPEVisualizer (a 5x5 in figure at 100 dpi); PettingZoo: the env's own
+    rgb_array frames, pixel for pixel. Fresh (untrained) params: the drawing is under test."""
+    from pipelines import stages
+    from pipelines.config import make_run_config
+    from pipelines.render import render_run
+    from pipelines.saved_run import SavedRun
+
+    config = make_run_config(preset, run_dir="unused")
+    parts = stages.RunParts.build(config)
+    params = parts.learner.policy_params(parts.learner.init(jax.random.PRNGKey(0)))
+    done = render_run(SavedRun(config, parts, 0, {"env_steps": 0}, params), str(tmp_path / "a.gif"),
+                      episodes=2, max_steps=3)
+    assert done["frames"] == 6 and [e["length"] for e in done["episodes"]] == [3, 3]
+    if parts.env.spec.backend == "numpy":
+        from marl import envs
+
+        env = envs.make(config.env_id, render_mode="rgb_array")
+        env.reset(seed=0)
+        height, width, _ = env.env.render().shape
+    else:
+        width, height = 500, 500
+    fmt, size, frames = gif(tmp_path / "a.gif")
+    assert fmt == "GIF" and frames > 1 and size == (done["width"], done["height"]) == (width, height)
 
 
 def play_both(policy, learner, params, env, n_envs=4, steps=12):
