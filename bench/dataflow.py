@@ -54,7 +54,7 @@ def plain_loop(preset: str, env_steps: int, seed: int) -> dict:
                                       learner.greedy)
     fields = {n: (f.shape, f.dtype) for n, f in replay_fields(env.spec, learner).items()}
     n_slots = config.n_collectors if learner.on_policy else config.n_slots
-    arrays, valid = buffer.empty(fields, n_slots, config.steps_per_region, config.envs_per_region)
+    arrays, mirrored = buffer.empty(fields, n_slots, config.steps_per_region, config.envs_per_region), {}
     state = learner.init(jax.random.PRNGKey(seed))
     rstate = init(jax.random.fold_in(jax.random.PRNGKey(seed), 0))
     rows, began = [], time.perf_counter()
@@ -63,8 +63,9 @@ def plain_loop(preset: str, env_steps: int, seed: int) -> dict:
         rstate, data, stats = collect(learner.policy_params(state), rstate,
                                       learner.exploration(jnp.float32(env_steps_done)))
         slot = 0 if learner.on_policy else i % n_slots
-        arrays, valid = buffer.insert(arrays, valid, slot, data)
-        stored = int(valid.sum()) * config.steps_per_region * config.envs_per_collector
+        arrays = buffer.insert(arrays, slot, data)
+        mirrored[slot] = i
+        stored = len(mirrored) * config.steps_per_region * config.envs_per_collector
         if learner.on_policy:
             n_updates = 1
         else:
@@ -72,7 +73,7 @@ def plain_loop(preset: str, env_steps: int, seed: int) -> dict:
             if stored < learner.config.learning_starts:
                 n_updates = 0
         if n_updates:
-            state, _ = learner.train(state, arrays, valid, n_updates)
+            state, _ = learner.train(state, arrays, buffer.ring(mirrored, n_slots, 1), n_updates)
         row = {"env_steps": env_steps_done + config.steps_per_iteration,
                "total_updates": int(np.max(state["updates"]))}
         if i == config.n_iterations - 1 or (i + 1) % config.eval_every == 0:

@@ -68,17 +68,18 @@ def learners(out: str, presets: list[str], seconds: float):
                              learner.exploration(jnp.float32(0)))
         fields = {n: (f.shape, f.dtype) for n, f in replay_fields(parts.env.spec, learner).items()}
         n_slots = config.n_collectors if learner.on_policy else config.n_slots
-        arrays, valid = buffer.empty(fields, n_slots, T, N)
+        arrays = buffer.empty(fields, n_slots, T, N)
         for slot in range(min(n_slots, 8)):
-            arrays, valid = buffer.insert(arrays, valid, slot, data)
+            arrays = buffer.insert(arrays, slot, data)
+        ring = buffer.ring({slot: slot for slot in range(min(n_slots, 8))}, n_slots, 1)
         per_call = n_slots if learner.on_policy else learner.config.updates_per_region
         started = time.perf_counter()
-        state, _ = learner.train(state, arrays, valid, per_call)
+        state, _ = learner.train(state, arrays, ring, per_call)
         jax.block_until_ready(state)
         compile_s = time.perf_counter() - started
         calls, started = 0, time.perf_counter()
         while calls < 3 or time.perf_counter() - started < seconds:
-            state, metrics = learner.train(state, arrays, valid, per_call)
+            state, metrics = learner.train(state, arrays, ring, per_call)
             jax.block_until_ready(state)
             calls += 1
         wall = time.perf_counter() - started

@@ -262,17 +262,19 @@ def plain_loop(env_steps: int, eval_every: int, overrides: dict | None = None, s
     init, collect = rollout.make_collector(env, learner.act, learner.init_carry, n, t)
     evaluate = rollout.make_evaluator(env, learner.act, learner.init_carry, config.eval_episodes, learner.greedy)
     fields = {k: (f.shape, f.dtype) for k, f in replay_fields(env.spec, learner).items()}
-    arrays, valid = buffer.empty(fields, config.n_slots, t, n)
+    arrays, mirrored = buffer.empty(fields, config.n_slots, t, n), {}
     train_state = learner.init(jax.random.PRNGKey(seed))
     rstate = init(jax.random.PRNGKey(seed + 1))
     curve, steps, region = [], 0, 0
     while steps < env_steps:
         rstate, data, _ = collect(learner.policy_params(train_state), rstate, learner.exploration(jnp.float32(steps)))
-        arrays, valid = buffer.insert(arrays, valid, region % config.n_slots, data)
+        arrays = buffer.insert(arrays, region % config.n_slots, data)
+        mirrored[region % config.n_slots] = region
         region += 1
         steps += n * t
         if min(region, config.n_slots) * n * t >= algo.learning_starts:
-            train_state, _ = learner.train(train_state, arrays, valid, algo.updates_per_region)
+            train_state, _ = learner.train(train_state, arrays, buffer.ring(mirrored, config.n_slots, 1),
+                                           algo.updates_per_region)
         if region % eval_every == 0 or steps >= env_steps:
             ev = evaluate(learner.policy_params(train_state), jax.random.PRNGKey(10_000 + region))
             curve.append({"env_steps": steps, "wall_s": time.perf_counter() - started,

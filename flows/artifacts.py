@@ -36,9 +36,12 @@ def artifact_key(config, kind: str) -> str:
 
 
 def json_number(value):
-    """NaN/inf -> None and numpy scalars -> Python numbers, so the table is valid JSON."""
+    """NaN/inf -> None, numpy scalars -> Python numbers and per-seed lists -> text, so the
+    table is valid JSON."""
     if hasattr(value, "item"):
         value = value.item()
+    if isinstance(value, (list, tuple)):  # per-seed values: one readable cell
+        return " ".join(f"{v:.3g}" for v in value)
     if isinstance(value, float) and not math.isfinite(value):
         return None
     return value

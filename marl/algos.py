@@ -54,7 +54,7 @@ RANGES = {
                      "updates_per_region", "target_update_interval", "eps_decay_steps", "epochs",
                      "minibatches", "n_step", "actor_every", "noise_decay_steps"), AT_LEAST_1),
     **dict.fromkeys(("learning_starts", "anneal_lr_iterations", "ent_coef", "vf_coef", "actor_reg",
-                     "noise_start", "noise_end"), AT_LEAST_0),
+                     "noise_start", "noise_end", "burn_in"), AT_LEAST_0),
     **dict.fromkeys(("lr", "actor_lr", "critic_lr", "max_grad_norm", "clip_eps", "value_clip_eps",
                      "gumbel_temperature"), POSITIVE),
     **dict.fromkeys(("gamma", "td_lambda", "gae_lambda", "eps_start", "eps_end"), FRACTION),

@@ -6,9 +6,9 @@ collector stores beside the transition (e.g. the behaviour log-probability for P
 named and shaped by `extra_fields`.
 
 Off-policy learners train on windows sampled from the whole replay ring:
-    train(train_state, ring arrays [slot, T, N, ...], valid [slot], n_updates)
+    train(train_state, ring arrays [slot, T, N, ...], buffer.Ring, n_updates)
 On-policy learners train once on exactly the regions that the last collect wrote:
-    train(train_state, regions [R, T, N, ...], valid [R] (all True), n_updates=R)
+    train(train_state, regions [R, T, N, ...], buffer.Ring (unused), n_updates=R)
 """
 
 from __future__ import annotations

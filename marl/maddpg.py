@@ -19,11 +19,11 @@ agent has two critics and bootstraps on the smaller target value, TD3's fix for
 overestimated Q values (as MATD3).
 
 Training data are (s, a, r, end, s') transitions: windows of two steps sampled from the
-replay ring (n + 1 steps for `n_step` returns). The store records obs and actions at step t
-and the reward and end (`terminated` or `truncated`) of the step t led to; after an end the
-next obs are the reset obs, so the bootstrap is masked by every end (or, with
-`time_limit_bootstrap`, only by `terminated`: where the stored `truncated` says the end is
-a time limit, that transition is left out and the critic bootstraps through the limit).
+replay ring (n + 1 steps for `n_step` returns; they run across region boundaries). The store
+records obs and actions at step t and the reward and end (`terminated` or `truncated`) of
+the step t led to; after an end the next obs are the reset obs, so a `terminated` end zeroes
+the bootstrap, and a time limit's transition is left out while the ones before it bootstrap
+through the limit (`time_limit_bootstrap`, the default; False treats every end as terminal).
 """
 
 from __future__ import annotations
@@ -82,7 +82,7 @@ class Config:
     # end an episode by truncation, whose next obs are already the reset obs, are left out
     # of the loss; a `terminated` end (SMAX: a side wiped out) still zeroes the bootstrap.
     # False: every end (terminated | truncated) zeroes the bootstrap
-    time_limit_bootstrap: bool = False
+    time_limit_bootstrap: bool = True
 
 
 # --------------------------------------------------------------------------- networks
@@ -124,36 +124,30 @@ def transitions(windows, gamma: float, time_limit_bootstrap: bool, n_step: int =
     to [B(L-n)]: (s, a) of the start, the discounted sum of the rewards up to the bootstrap
     step, its obs s' and the discount on Q(s'), and the transition's weight in the loss.
 
-    An end (terminated or truncated) inside the n steps ends the sum. A terminal end (every
-    end without time_limit_bootstrap; with it, a `terminated` one): the rewards up to and
-    including the end step count and the bootstrap is zeroed. A time limit (`truncated`,
-    with time_limit_bootstrap): the sum stops before the end step and bootstraps on that
-    step's obs, a real state of the same episode (the obs after an end are the next
-    episode's); a transition that starts at a truncation is left out (weight 0)."""
+    The first stop inside the n steps ends the sum:
+    - a real end (`terminated`; without time_limit_bootstrap, every end): the rewards up to
+      and including it count and there is no bootstrap;
+    - a cut (`transition.cut`: a time limit, or a collector's restart; without
+      time_limit_bootstrap only the restart): the sum stops before it and bootstraps on its
+      obs, a real state of the same episode (the obs after it are the next episode's); a
+      transition that starts at a cut has no target (weight 0)."""
     length = windows["terminated"].shape[1]
     steps = jnp.arange(n_step)
+    truncated = windows["truncated"]
+    real_end = windows["terminated"] | (truncated & (not time_limit_bootstrap))
+    cut = transition.cut(windows) & ~real_end[:, :-1]
+    cut = jnp.concatenate([cut, jnp.zeros_like(cut[:, :1])], axis=1)  # [B, L]
 
     def from_start(t):
         window = lambda x, size: jax.lax.dynamic_slice_in_dim(x, t, size, axis=1)
-        done = window(transition.done(windows), n_step).astype(jnp.float32)  # [B, n]
-        # terminal: a reward counts up to and including the first end
-        upto_end = jnp.concatenate([jnp.ones_like(done[:, :1]), jnp.cumprod(1.0 - done, axis=1)[:, :-1]],
-                                   axis=1)
-        if time_limit_bootstrap:  # bootstrap step m: the first end after the start, or n
-            terminated = window(windows["terminated"], n_step)
-            truncated = window(windows["truncated"], n_step)
-            m = 1 + jnp.sum(jnp.cumprod(1.0 - done[:, 1:], axis=1), axis=1).astype(jnp.int32)
-            # the first end at or after the start is a real one: no bootstrap, as terminal
-            first_end = jnp.where(done[:, 0] > 0, 0, m)
-            real = jnp.take_along_axis(jnp.concatenate([terminated, jnp.zeros_like(terminated[:, :1])], axis=1),
-                                       first_end[:, None], axis=1)[:, 0]
-            counted = jnp.where(real[:, None], upto_end, (steps[None] < m[:, None]).astype(jnp.float32))
-            discount = jnp.where(real, 0.0, gamma ** m)
-            weight = 1.0 - truncated[:, 0].astype(jnp.float32)
-        else:
-            m = jnp.full(done.shape[:1], n_step)
-            counted = upto_end
-            discount, weight = gamma**n_step * jnp.prod(1.0 - done, axis=1), jnp.ones_like(done[:, 0])
+        real, stop = window(real_end, n_step), window(real_end | cut, n_step)  # [B, n]
+        # s: the first stop (n where there is none); m: the step whose obs bootstrap
+        s = jnp.where(stop.any(axis=1), jnp.argmax(stop, axis=1), n_step)
+        s_real = jnp.take_along_axis(jnp.pad(real, ((0, 0), (0, 1))), s[:, None], axis=1)[:, 0]
+        counted = ((steps[None] < s[:, None]) | ((steps[None] == s[:, None]) & s_real[:, None]))
+        discount = jnp.where(s_real, 0.0, gamma ** s.astype(jnp.float32))
+        weight = jnp.where(~s_real & (s == 0), 0.0, 1.0)
+        m = jnp.where(s_real, 0, s)  # a real end does not bootstrap: any obs will do
 
         def at(x, i):  # x at step i (per window) of this start's n + 1 steps
             return jnp.take_along_axis(window(x, n_step + 1), i.reshape(-1, 1, *[1] * (x.ndim - 2)), axis=1)[:, 0]
@@ -363,12 +357,14 @@ def make_learner(spec: EnvSpec, config: Config):
                 "actor_opt": actor_opt_state, "critic_opt": critic_opt_state,
                 "updates": train_state["updates"] + 1, "key": key}, metrics
 
-    def train(train_state, arrays, valid, n_updates: int):
-        """n_updates of (sample 2-step windows from the ring mirror, update), in one scan."""
+    def train(train_state, arrays, ring, n_updates: int):
+        """n_updates of (sample (n + 1)-step windows from the ring mirror, update), in one scan."""
+        starts = buffer.window_starts(arrays, ring, config.n_step + 1)
 
         def body(state, _):
             key, sample_key = jax.random.split(state["key"])
-            windows = buffer.sample_windows(sample_key, arrays, valid, config.batch_size, config.n_step + 1)
+            windows = buffer.sample_windows(sample_key, arrays, ring, starts, config.batch_size,
+                                            config.n_step + 1)
             return update({**state, "key": key}, windows)
 
         train_state, metrics = jax.lax.scan(body, train_state, None, n_updates)
@@ -379,21 +375,24 @@ def make_learner(spec: EnvSpec, config: Config):
     @jax.jit
     def score_arrays(train_state, windows):
         batch_size, length = windows["terminated"].shape
-        q, target, weight = td_terms(train_state["params"], train_state["target_params"],
-                                     transitions(windows, config.gamma, config.time_limit_bootstrap),
+        n = config.n_step
+        # the training target itself (n-step, the same stops), from every start with n steps after it
+        _, target, weight = td_terms(train_state["params"], train_state["target_params"],
+                                     transitions(windows, config.gamma, config.time_limit_bootstrap, n),
                                      jax.random.PRNGKey(0))
-        q = q[..., 0]  # the first critic's (the one the actor follows)
-        last = {k: v[:, -1] for k, v in windows.items()}
-        q_last = q_values(train_state["params"]["critic"], last["obs"], critic_actions(last["action"]))[..., 0]
-        q_taken = jnp.concatenate([q.reshape(batch_size, length - 1, n_agents), q_last[:, None]], axis=1)
-        td = jnp.where(weight > 0, q - target, jnp.nan).reshape(batch_size, length - 1, n_agents)
-        td = jnp.concatenate([td, jnp.full_like(td[:, :1], jnp.nan)], axis=1)
+        flat = lambda x: x.reshape(batch_size * length, *x.shape[2:])
+        q_taken = q_values(train_state["params"]["critic"], flat(windows["obs"]),
+                           critic_actions(flat(windows["action"])))[..., 0]  # the first critic's
+        q_taken = q_taken.reshape(batch_size, length, n_agents)
+        td = q_taken[:, :length - n] - target.reshape(batch_size, length - n, n_agents)
+        td = jnp.where(weight.reshape(td.shape) > 0, td, jnp.nan)
+        td = jnp.concatenate([td, jnp.full((batch_size, n, n_agents), jnp.nan, td.dtype)], axis=1)
         return {"q_taken": q_taken, "td_error": td}
 
     def score(train_state, windows):
-        """Per-agent Q_i of the stored actions and one-step TD errors of stored windows [B, L]
-        (NaN where there is no target: the last step, and truncated episode ends under
-        time_limit_bootstrap), each with its dims after (step, env)."""
+        """Per-agent Q_i of the stored actions and the TD errors against the learner's own
+        (n-step) targets, of stored windows [B, L] (NaN where there is no target: the last n
+        steps, and starts at a cut), each with its dims after (step, env)."""
         return {k: (v, ("agent",)) for k, v in score_arrays(train_state, windows).items()}
 
     return Learner(

@@ -145,25 +145,29 @@ def gaussian_entropy(mean, log_std):
 # ------------------------------------------------------------------------------- GAE
 
 
-def gae(reward, done, value, gamma: float, lam: float):
+def gae(reward, terminated, cut, value, gamma: float, lam: float):
     """Generalised advantage estimates along axis 1.
 
-    reward [B, L, ...] and done [B, L] of transitions t = 0..L-1 (done[t]: step t ended
-    its episode, so value[t + 1] belongs to the next episode and is not bootstrapped),
-    value [B, L + 1, ...]. Returns (advantages, value targets), each [B, L, ...]:
-        delta_t = r_t + gamma (1 - d_t) V_{t+1} - V_t
-        A_t     = delta_t + gamma lam (1 - d_t) A_{t+1}
+    reward [B, L, ...], terminated and cut [B, L] of transitions t = 0..L-1, value
+    [B, L + 1, ...]. terminated[t]: step t ended its episode for real, so it does not
+    bootstrap; cut[t] (`transition.cut`: a time limit or a restart): the state after t is not
+    stored, so A_t has no estimate (the caller leaves t out of the loss) and the steps before
+    t bootstrap on V_t instead of carrying A_t. Returns (advantages, value targets), [B, L, ...]:
+        delta_t = r_t + gamma (1 - term_t) V_{t+1} - V_t
+        A_t     = delta_t + gamma lam (1 - term_t) (1 - cut_{t+1}) A_{t+1}
     """
-    done = done.astype(jnp.float32).reshape(done.shape + (1,) * (reward.ndim - done.ndim))
-    not_done = 1.0 - jnp.broadcast_to(done, reward.shape)
-    delta = reward + gamma * not_done * value[:, 1:] - value[:, :-1]
+    as_reward = lambda x: jnp.broadcast_to(
+        x.astype(jnp.float32).reshape(x.shape + (1,) * (reward.ndim - x.ndim)), reward.shape)
+    live = 1.0 - as_reward(terminated)
+    next_uncut = 1.0 - as_reward(jnp.concatenate([cut[:, 1:], jnp.zeros_like(cut[:, :1])], axis=1))
+    delta = reward + gamma * live * value[:, 1:] - value[:, :-1]
 
     def step(next_adv, inputs):
-        d, nd = inputs
-        adv = d + gamma * lam * nd * next_adv
+        d, carry_on = inputs
+        adv = d + gamma * lam * carry_on * next_adv
         return adv, adv
 
-    xs = jax.tree.map(lambda x: jnp.swapaxes(x, 0, 1), (delta, not_done))
+    xs = jax.tree.map(lambda x: jnp.swapaxes(x, 0, 1), (delta, live * next_uncut))
     _, adv = jax.lax.scan(step, jnp.zeros_like(xs[0][0]), xs, reverse=True)
     adv = jnp.swapaxes(adv, 0, 1)
     return adv, adv + value[:, :-1]
@@ -273,8 +277,7 @@ def make_learner(spec: EnvSpec, config: Config):
         if not config.recurrent:
             _, out, log_std = actor.apply(actor_params, jnp.zeros(()), x)
             return out, log_std
-        done = transition.done(batch)
-        reset = jnp.concatenate([jnp.zeros_like(done[:, :1]), done[:, :-1]], axis=1)
+        reset = batch["first"]  # step 0's stored memory is already the reset one
 
         def step(carry, inputs):
             x_t, reset_t = inputs
@@ -305,32 +308,39 @@ def make_learner(spec: EnvSpec, config: Config):
 
         The last step of each sequence has no next observation here (it is the first
         step of the next region), so its transition is dropped from the loss and its
-        value only bootstraps step T-2: targets cover steps 0..T-2."""
+        value only bootstraps step T-2: targets cover steps 0..T-2. `weight` [B, T-1] leaves
+        out the cut steps too (a time limit, a restart), which have no target."""
         value = jax.lax.stop_gradient(values(old_params["critic"], batch))  # [B, T, agent]
-        adv, targets = gae(batch["reward"][:, :-1], transition.done(batch)[:, :-1], value,
+        cut = transition.cut(batch)
+        adv, targets = gae(batch["reward"][:, :-1], batch["terminated"][:, :-1], cut, value,
                            config.gamma, config.gae_lambda)
-        return {**batch, "advantage": adv, "target": targets, "value_old": value[:, :-1]}
+        return {**batch, "advantage": adv, "target": targets, "value_old": value[:, :-1],
+                "weight": (~cut).astype(jnp.float32)}
 
     def ppo_loss(params, batch):
-        """The PPO loss of prepared sequences (see `prepare`) and its parts."""
+        """The PPO loss of prepared sequences (see `prepare`) and its parts, averaged over
+        the steps (and agents) that `weight` keeps."""
         logp, entropy = log_prob_and_entropy(params["actor"], batch)
         logp, entropy = logp[:, :-1], entropy[:, :-1]
+        weight = jnp.broadcast_to(batch["weight"][..., None], logp.shape)
+        mean = lambda x: jnp.sum(weight * x) / jnp.maximum(weight.sum(), 1.0)
         log_ratio = logp - batch["logp"][:, :-1]
         ratio = jnp.exp(log_ratio)
         adv = batch["advantage"]
-        adv = (adv - adv.mean()) / (adv.std() + 1e-8)
+        adv_mean = mean(adv)
+        adv = (adv - adv_mean) / (jnp.sqrt(mean((adv - adv_mean) ** 2)) + 1e-8)
         clipped = jnp.clip(ratio, 1.0 - config.clip_eps, 1.0 + config.clip_eps)
-        actor_loss = -jnp.mean(jnp.minimum(ratio * adv, clipped * adv))
+        actor_loss = -mean(jnp.minimum(ratio * adv, clipped * adv))
         value = values(params["critic"], batch)[:, :-1]
         old = batch["value_old"]
         value_clipped = old + jnp.clip(value - old, -config.value_clip_eps, config.value_clip_eps)
-        value_loss = 0.5 * jnp.mean(jnp.maximum((value - batch["target"]) ** 2,
-                                                (value_clipped - batch["target"]) ** 2))
-        entropy = entropy.mean()
+        value_loss = 0.5 * mean(jnp.maximum((value - batch["target"]) ** 2,
+                                            (value_clipped - batch["target"]) ** 2))
+        entropy = mean(entropy)
         loss = actor_loss - config.ent_coef * entropy + config.vf_coef * value_loss
         return loss, {"loss": loss, "actor_loss": actor_loss, "value_loss": value_loss,
-                      "entropy": entropy, "approx_kl": jnp.mean((ratio - 1.0) - log_ratio),
-                      "clip_frac": jnp.mean(jnp.abs(ratio - 1.0) > config.clip_eps)}
+                      "entropy": entropy, "approx_kl": mean((ratio - 1.0) - log_ratio),
+                      "clip_frac": mean(jnp.abs(ratio - 1.0) > config.clip_eps)}
 
     def loss_fn(params, old_params, batch):
         """The PPO loss of `params` on sequences that `old_params` collected (they give the
@@ -360,9 +370,9 @@ def make_learner(spec: EnvSpec, config: Config):
             return x.reshape(x.shape[0] * x.shape[1], *x.shape[2:])
         return {k: merge(v) for k, v in arrays.items()}
 
-    def train(train_state, arrays, valid, n_updates: int):
+    def train(train_state, arrays, ring, n_updates: int):
         """One PPO update on the regions the last collect wrote: `epochs` passes, each over
-        `minibatches` random splits of the envs. (`valid` is all True and `n_updates` is the
+        `minibatches` random splits of the envs. (`ring` is unused and `n_updates` is the
         number of regions: an on-policy learner trains on all of them once.)"""
         batch = prepare(train_state["params"], sequences(arrays))
         n_seq = batch["obs"].shape[0]

@@ -12,7 +12,13 @@ Reads top to bottom:
 Agents share parameters and see their one-hot id. Targets are double-Q (online argmax,
 target evaluation) through a target mixer; the target networks are copied every
 `target_update_interval` updates. All of it is pure and jitted; the data comes from the
-replay ring as fixed-length windows.
+replay ring as fixed-length windows, which run across region boundaries.
+
+A window starts anywhere in the ring, its agents' GRU memory zeroed there, or only at episode
+starts (`episode_windows`, as pymarl and JaxMARL train on whole episodes). A window that
+starts mid-episode can first replay `burn_in` steps with no loss, so the memory is warm where
+the loss begins (R2D2). Targets bootstrap through a time-limit end and not through a real
+one; a step whose next state is not stored (`transition.cut`) has no target.
 """
 
 from __future__ import annotations
@@ -41,7 +47,11 @@ class Config:
     td_lambda: float = 0.0  # 0: one-step targets; >0: TD(lambda) targets over each window
     max_grad_norm: float = 10.0
     batch_size: int = 32  # windows per update
-    seq_len: int = 32  # window length (<= steps per region)
+    seq_len: int = 32  # steps of each window that the loss covers
+    # steps before them that only warm the GRU memory (R2D2's burn-in; no loss);
+    # burn_in + seq_len <= steps per region
+    burn_in: int = 0
+    episode_windows: bool = False  # True: windows start only where an episode starts
     updates_per_region: int = 8  # gradient updates per newly collected region
     target_update_interval: int = 200  # in updates
     eps_start: float = 1.0
@@ -114,16 +124,17 @@ def with_agent_ids(obs):
     return jnp.concatenate([obs, ids], axis=-1)
 
 
-def lambda_returns(reward, done, next_value, gamma: float, lam: float):
+def lambda_returns(reward, terminated, next_value, next_cut, gamma: float, lam: float):
     """TD(lambda) targets along a window ([B, L-1] each), bootstrapping from the target
-    Q_tot of the next step: G_t = r_t + gamma (1 - d_t) ((1 - lam) Q'_{t+1} + lam G_{t+1}),
-    with G at the window's last transition the one-step target. lam = 0 is one-step TD."""
+    Q_tot of the next step: G_t = r_t + gamma (1 - term_t) ((1 - lam) Q'_{t+1} + lam G_{t+1}),
+    where G_{t+1} is Q'_{t+1} if step t+1 has no target of its own (`next_cut`: it is cut, or
+    the window's last step). lam = 0 is one-step TD."""
     def step(g_next, inputs):
-        r, d, v = inputs
-        g = r + gamma * (1.0 - d) * ((1.0 - lam) * v + lam * g_next)
+        r, term, v, v_cut = inputs
+        g = r + gamma * (1.0 - term) * ((1.0 - lam) * v + lam * jnp.where(v_cut, v, g_next))
         return g, g
 
-    xs = jax.tree.map(lambda x: jnp.swapaxes(x, 0, 1), (reward, done, next_value))
+    xs = jax.tree.map(lambda x: jnp.swapaxes(x, 0, 1), (reward, terminated, next_value, next_cut))
     _, g = jax.lax.scan(step, xs[2][-1], xs, reverse=True)
     return jnp.swapaxes(g, 0, 1)
 
@@ -191,10 +202,11 @@ def make_learner(spec: EnvSpec, config: Config):
         return jnp.swapaxes(q, 0, 1)
 
     def td_terms(params, target_params, batch):
-        """Q-values and TD targets along windows [B, L]: the loss and reanalysis share it."""
-        done = transition.done(batch).astype(jnp.float32)  # any end, a time limit too: no bootstrap
-        # memory restarts after each episode end inside the window (and at its start)
-        reset = jnp.concatenate([jnp.ones_like(done[:, :1]), done[:, :-1]], axis=1)
+        """Q-values and TD targets along windows [B, L]: the loss and reanalysis share it.
+        `has_target` [B, L-1]: step t is not cut."""
+        # memory restarts at each episode start inside the window (and at its start)
+        reset = batch["first"].at[:, 0].set(True)
+        cut = transition.cut(batch)
         q = unroll(params["agent"], batch["obs"], reset)
         q_target = unroll(target_params["agent"], batch["obs"], reset)
         avail = batch["avail_actions"]
@@ -205,29 +217,40 @@ def make_learner(spec: EnvSpec, config: Config):
         q_tot = mixer.apply(params["mixer"], chosen, batch["state"])  # [B, L] (IQL: [B, L, agent])
         next_q_tot = mixer.apply(target_params["mixer"], next_q, batch["state"][:, 1:])
         reward = batch["reward"][:, :-1].mean(axis=-1)
-        returns = lambda v: lambda_returns(reward, done[:, :-1], v, config.gamma, config.td_lambda)
+        terminated = batch["terminated"][:, :-1].astype(jnp.float32)
+        next_cut = jnp.concatenate([cut[:, 1:], jnp.ones_like(cut[:, :1])], axis=1)
+        returns = lambda v: lambda_returns(reward, terminated, v, next_cut, config.gamma, config.td_lambda)
         # IQL: one target per agent, all on the team reward
         target = returns(next_q_tot) if next_q_tot.ndim == 2 else jax.vmap(returns, -1, -1)(next_q_tot)
         td = q_tot[:, :-1] - jax.lax.stop_gradient(target)
-        return {"q": q, "chosen": chosen, "q_tot": q_tot, "td": td}
+        return {"q": q, "chosen": chosen, "q_tot": q_tot, "td": td, "has_target": ~cut}
 
     def loss_fn(params, target_params, batch):
+        """Mean squared TD error over the steps that have a target, past the burn-in."""
         terms = td_terms(params, target_params, batch)
         td = terms["td"]
-        loss = jnp.mean(td**2)
-        return loss, {"loss": loss, "q_tot": terms["q_tot"].mean(), "td_abs": jnp.abs(td).mean()}
+        past_burn_in = jnp.arange(td.shape[1]) >= config.burn_in
+        weight = (terms["has_target"] & past_burn_in[None, :]).astype(jnp.float32)
+        if td.ndim == 3:  # IQL: a TD error per agent
+            weight = weight[..., None] * jnp.ones_like(td)
+        counted = jnp.maximum(weight.sum(), 1.0)
+        loss = jnp.sum(weight * td**2) / counted
+        return loss, {"loss": loss, "q_tot": terms["q_tot"].mean(),
+                      "td_abs": jnp.sum(weight * jnp.abs(td)) / counted}
 
     @jax.jit
     def score_arrays(train_state, batch):
         terms = td_terms(train_state["params"], train_state["target_params"], batch)
         pad = lambda x: jnp.concatenate([x, jnp.full_like(x[:, :1], jnp.nan)], axis=1)
         q_max = jnp.max(jnp.where(batch["avail_actions"], terms["q"], -jnp.inf), axis=-1)
+        td = terms["td"]
+        no_target = ~terms["has_target"] if td.ndim == 2 else ~terms["has_target"][..., None]
         return {"q_taken": terms["chosen"], "q_max": q_max, "q_tot": terms["q_tot"],
-                "td_error": pad(terms["td"])}
+                "td_error": pad(jnp.where(no_target, jnp.nan, td))}
 
     def score(train_state, batch):
-        """Per-step Q-values and TD errors of stored windows (the last step has no target),
-        each with its dims after (step, env)."""
+        """Per-step Q-values and TD errors of stored windows (NaN where a step has no
+        target: the window's last step and cut steps), each with its dims after (step, env)."""
         out = score_arrays(train_state, batch)
         iql = config.mixer == "none"
         dims = {"q_taken": ("agent",), "q_max": ("agent",),
@@ -250,12 +273,15 @@ def make_learner(spec: EnvSpec, config: Config):
         return {**train_state, "params": params, "target_params": target_params,
                 "opt_state": opt_state, "updates": n}, metrics
 
-    def train(train_state, arrays, valid, n_updates: int):
+    window = config.burn_in + config.seq_len
+
+    def train(train_state, arrays, ring, n_updates: int):
         """n_updates of (sample windows from the ring mirror, update), fused in one scan."""
+        starts = buffer.window_starts(arrays, ring, window, config.episode_windows)
 
         def body(state, _):
             key, sample_key = jax.random.split(state["key"])
-            batch = buffer.sample_windows(sample_key, arrays, valid, config.batch_size, config.seq_len)
+            batch = buffer.sample_windows(sample_key, arrays, ring, starts, config.batch_size, window)
             state, metrics = update({**state, "key": key}, batch)
             return state, metrics
 

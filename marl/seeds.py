@@ -50,10 +50,10 @@ def vmap_seeds(learner: Learner, n_seeds: int) -> Learner:
                                           split(reset), keys, explore)
         return join(actions), join(carry), join(extras)
 
-    def train(train_state, arrays, valid, n_updates: int):
+    def train(train_state, arrays, ring, n_updates: int):
         # arrays: a mirror with the seeds apart, [S, slot, T, N, ...] (buffer.empty(n_seeds=S));
-        # every seed sees the same slots
-        per_seed = jax.vmap(lambda state, seed_arrays: learner.train(state, seed_arrays, valid, n_updates))
+        # every seed sees the same slots (one ring)
+        per_seed = jax.vmap(lambda state, seed_arrays: learner.train(state, seed_arrays, ring, n_updates))
         return per_seed(train_state, arrays)
 
     def score(train_state, batch):

@@ -39,8 +39,9 @@ Fields (A = spec.n_agents):
                    (e.g. MAPPO's behaviour log-probability `logp` [A] float32), named, shaped
                    and typed by its `Learner.extra_fields`; stored flat beside the others
 
-The episode ended at t where `done(x)` = terminated | truncated; a learner that treats
-every end alike uses that (a time-limit end should bootstrap where a real end does not).
+The episode ended at t where `done(x)` = terminated | truncated. Every learner bootstraps
+through a time-limit end and not through a real one: `cut(x)` marks the steps whose next
+state is not stored (a truncation, a collector's restart), which no target may start from.
 """
 
 from __future__ import annotations
@@ -131,3 +132,16 @@ def done(batch):
     if isinstance(batch, Mapping):
         return batch["terminated"] | batch["truncated"]
     return batch.terminated | batch.truncated
+
+
+def cut(windows):
+    """[B, L] windows -> [B, L-1] bool: True where the state that step t led to is not the
+    next stored step, so step t has no bootstrap and is left out of every TD or advantage
+    loss (the transitions before it bootstrap on its obs as usual):
+
+    - a time-limit end, `truncated[t]`: the envs auto-reset, so obs[t + 1] are the next
+      episode's and the state the limit interrupted is not stored;
+    - a stream cut, `first[t + 1]` with no end at t: a collector restarted its envs.
+
+    A `terminated` end is not a cut: its target has no bootstrap by definition."""
+    return windows["truncated"][:, :-1] | (windows["first"][:, 1:] & ~done(windows)[:, :-1])

@@ -246,13 +246,15 @@ def make_run_config(preset: str, *, env_id: str | None = None, total_env_steps: 
                           "(0: lock-step; K: collectors act with params up to K versions old)")
     algo_config = config.algo_config()  # checks the algorithm overrides
     seq_len = getattr(algo_config, "seq_len", None)
-    if seq_len is not None and seq_len > config.steps_per_region:
-        raise ConfigError(f"seq_len={seq_len} exceeds steps_per_region={config.steps_per_region}; "
-                          "windows lie inside one region, so raise steps_per_region or lower seq_len")
+    window = (seq_len or 0) + getattr(algo_config, "burn_in", 0)
+    if seq_len is not None and window > config.steps_per_region:
+        raise ConfigError(f"burn_in + seq_len = {window} exceeds steps_per_region={config.steps_per_region}; "
+                          "a window crosses at most one region boundary, so raise steps_per_region "
+                          "or lower seq_len / burn_in")
     n_step = getattr(algo_config, "n_step", None)
     if n_step is not None and not 1 <= n_step < config.steps_per_region:
         raise ConfigError(f"n_step={n_step} must be at least 1 and below steps_per_region="
-                          f"{config.steps_per_region}: n-step windows lie inside one region")
+                          f"{config.steps_per_region}: a window crosses at most one region boundary")
     # the rest would only fail inside a task, after the cluster started, or train nonsense
     if not 0 <= config.seed <= SEED_MAX:
         raise ConfigError(f"setting seed={config.seed} must be in 0..{SEED_MAX}; e.g. --seed 0")

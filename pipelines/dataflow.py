@@ -317,9 +317,11 @@ class Dataflow:
 
     def _attach(self, row: dict, evaluation: dict):
         row.update(test_win_rate=evaluation["win_rate"], test_return=evaluation["return_mean"])
-        if self.config.n_seeds > 1:  # the spread across seeds
+        if self.config.n_seeds > 1:  # the spread across seeds, and each seed's own
             row.update(test_win_rate_std=evaluation["win_rate_std"],
-                       test_return_std=evaluation["return_mean_std"])
+                       test_return_std=evaluation["return_mean_std"],
+                       test_win_rate_per_seed=evaluation["win_rate_per_seed"],
+                       test_return_per_seed=evaluation["return_mean_per_seed"])
 
     def summary(self) -> dict:
         """Run-wide figures: busy fractions of the wall, the lag histogram, where time went."""

@@ -187,8 +187,12 @@ class LearnerState:
     train_state: Any
     meta: dict  # iteration, env_steps, param_version, updates of `train_state`
     arrays: dict  # the ring mirror, [slot, T, N, ...] per field
-    valid: Any  # [slot] bool
     mirrored: dict  # mirror slot -> region id it holds
+    n_slots: int
+
+    def ring(self, n_collectors: int) -> buffer.Ring:
+        # a collector's next region (the same envs, continued) is n_collectors regions later
+        return buffer.ring(self.mirrored, self.n_slots, n_collectors)
 
 
 @dataclasses.dataclass
@@ -351,10 +355,10 @@ def _new_learner(config: RunConfig, parts: RunParts) -> LearnerState:
     fields = {name: (f.shape, f.dtype) for name, f in replay_fields(spec, learner).items()}
     # an on-policy learner's mirror holds just one iteration's regions
     n_slots = config.n_collectors if learner.on_policy else config.n_slots
-    arrays, valid = buffer.empty(fields, n_slots, config.steps_per_region, config.envs_per_region,
-                                 config.n_seeds)
+    arrays = buffer.empty(fields, n_slots, config.steps_per_region, config.envs_per_region,
+                          config.n_seeds)
     return LearnerState(parts, open_store(config, spec), checkpoints, train_state, dict(meta),
-                        arrays, valid, {})
+                        arrays, {}, n_slots)
 
 
 def _learner(config: RunConfig, iteration: int | None = None) -> LearnerState:
@@ -392,8 +396,7 @@ def _mirror(state: LearnerState, config: RunConfig, iteration: int, region_ids: 
             if region_id in region_ids:
                 raise  # a region this call must train on is gone: the ring is too small
             continue  # an old region overwritten by the ring between listing and reading
-        state.arrays, state.valid = buffer.insert(state.arrays, state.valid, slot, region,
-                                                  n_seeds=config.n_seeds)
+        state.arrays = buffer.insert(state.arrays, slot, region, n_seeds=config.n_seeds)
         state.mirrored[slot] = region_id
         new += 1
     return new
@@ -429,7 +432,8 @@ def train(config, iteration: int, env_steps: int, checkpoint: bool, collected: l
         if stored_env_steps < learner.config.learning_starts:
             n_updates = 0
     if n_updates:
-        state.train_state, m = learner.train(state.train_state, state.arrays, state.valid, n_updates)
+        state.train_state, m = learner.train(state.train_state, state.arrays,
+                                             state.ring(config.n_collectors), n_updates)
         metrics = _scalars(m)
     jax.block_until_ready(state.train_state)
     updated = time.perf_counter()

@@ -25,20 +25,22 @@ def smax_windows():
     state = learner.init(jax.random.PRNGKey(0))
     _, data, _ = collect(learner.policy_params(state), init(jax.random.PRNGKey(1)),
                          learner.exploration(jnp.float32(0)))
-    arrays, valid = buffer.empty({k: (v.shape[2:], v.dtype) for k, v in data.items()}, 1, 16, 4)
-    arrays, valid = buffer.insert(arrays, valid, 0, data)
-    return env, arrays, valid, buffer.sample_windows(jax.random.PRNGKey(2), arrays, valid, 4, 8)
+    arrays = buffer.insert(buffer.empty({k: (v.shape[2:], v.dtype) for k, v in data.items()}, 1, 16, 4),
+                           0, data)
+    ring = buffer.ring({0: 0}, 1, 1)
+    return env, arrays, ring, buffer.sample_windows(jax.random.PRNGKey(2), arrays, ring,
+                                                    buffer.window_starts(arrays, ring, 8), 4, 8)
 
 
 def test_vdn_mixes_by_sum_and_iql_keeps_one_target_per_agent(smax_windows):
-    env, arrays, valid, windows = smax_windows
+    env, arrays, ring, windows = smax_windows
     out = {}
     for algo in ("qmix", "vdn", "iql"):
         learner = algos.make_learner(algo, env.spec, algos.config_for(algo, SMALL))
         assert learner.name == algo
         state = learner.init(jax.random.PRNGKey(0))
         out[algo] = learner.score(state, windows)
-        state, metrics = learner.train(state, arrays, valid, 3)
+        state, metrics = learner.train(state, arrays, ring, 3)
         assert np.isfinite(float(metrics["loss"])) and int(state["updates"]) == 3
     vdn = out["vdn"]
     np.testing.assert_allclose(vdn["q_tot"][0], vdn["q_taken"][0].sum(-1), rtol=1e-5, atol=1e-5)

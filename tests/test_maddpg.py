@@ -25,13 +25,15 @@ def real_windows(env_kwargs: dict, overrides: dict, length: int = 2, batch: int 
     # 40-step regions of 26-step episodes: the second region has an episode end inside
     init, collect = rollout.make_collector(env, learner.act, learner.init_carry, 8, 40)
     fields = {k: (f.shape, f.dtype) for k, f in replay_fields(env.spec, learner).items()}
-    arrays, valid = buffer.empty(fields, 2, 40, 8)
+    arrays = buffer.empty(fields, 2, 40, 8)
     rstate = init(jax.random.PRNGKey(1))
     for slot in range(2):
         rstate, data, _ = collect(learner.policy_params(train_state), rstate,
                                   learner.exploration(jnp.float32(0)))
-        arrays, valid = buffer.insert(arrays, valid, slot, data)
-    windows = buffer.sample_windows(jax.random.PRNGKey(2), arrays, valid, batch, length)
+        arrays = buffer.insert(arrays, slot, data)
+    ring = buffer.ring({0: 0, 1: 1}, 2, 1)
+    windows = buffer.sample_windows(jax.random.PRNGKey(2), arrays, ring,
+                                    buffer.window_starts(arrays, ring, length), batch, length)
     return env, learner, train_state, windows, data
 
 
@@ -143,16 +145,22 @@ def test_n_step_targets_stop_at_a_truncation_as_a_time_limit_or_at_a_terminal_st
                "avail_actions": jnp.ones((1, 5, 1, 1), bool), "reward": jnp.arange(1.0, 6.0).reshape(1, 5, 1),
                "terminated": no, "truncated": end}
     n = 3  # starts 0 and 1
-    limit = maddpg.transitions(windows, g, True, n)
+
+    def transitions(w, *args):  # `first` as the collector writes it: after each end
+        ends = w["terminated"] | w["truncated"]
+        first = jnp.concatenate([jnp.zeros_like(ends[:, :1]), ends[:, :-1]], axis=1)
+        return maddpg.transitions({**w, "first": first}, *args)
+
+    limit = transitions(windows, g, True, n)
     # start 0: r0 and bootstrap on obs 1 (the step that hit the limit); start 1 (at the done) left out
-    np.testing.assert_allclose(limit["reward"][:, 0], [1.0, 2.0 + g * 3 + g**2 * 4])
-    np.testing.assert_allclose(limit["discount"], [g, g**3])
-    np.testing.assert_allclose(limit["next_obs"][:, 0, 0], [1.0, 4.0])
+    np.testing.assert_allclose(limit["reward"][:1, 0], [1.0])
+    np.testing.assert_allclose(limit["discount"][:1], [g])
+    np.testing.assert_allclose(limit["next_obs"][:1, 0, 0], [1.0])
     np.testing.assert_allclose(limit["weight"], [1.0, 0.0])
     # without time_limit_bootstrap every end is terminal; with it, a `terminated` end is
     for real_end, tlb in (({"terminated": no, "truncated": end}, False), ({"terminated": end, "truncated": no}, True),
                           ({"terminated": end, "truncated": no}, False)):
-        terminal = maddpg.transitions({**windows, **real_end}, g, tlb, n)
+        terminal = transitions({**windows, **real_end}, g, tlb, n)
         # start 0: r0 + g r1, then nothing (terminal); start 1: its own reward only
         np.testing.assert_allclose(terminal["reward"][:, 0], [1.0 + g * 2, 2.0])
         np.testing.assert_allclose(terminal["discount"], [0.0, 0.0])
@@ -160,19 +168,19 @@ def test_n_step_targets_stop_at_a_truncation_as_a_time_limit_or_at_a_terminal_st
     # 2-step returns, a real end at step 2 (and a time limit at 4, after the last start):
     # start 0 bootstraps on the obs of step 2, a real state; start 1 stops at the real end
     # with no bootstrap; start 2 (at the real end) has its own reward only
-    mixed = maddpg.transitions({**windows, "terminated": jnp.array([[False, False, True, False, False]]),
+    mixed = transitions({**windows, "terminated": jnp.array([[False, False, True, False, False]]),
                                 "truncated": jnp.array([[False, False, False, False, True]])}, g, True, 2)
     np.testing.assert_allclose(mixed["reward"][:, 0], [1 + g * 2, 2 + g * 3, 3.0])
     np.testing.assert_allclose(mixed["discount"], [g**2, 0.0, 0.0])
     np.testing.assert_allclose(mixed["weight"], [1.0, 1.0, 1.0])
     # no end: the full n-step sum and its bootstrap
-    clear = maddpg.transitions({**windows, "truncated": no}, g, True, n)
+    clear = transitions({**windows, "truncated": no}, g, True, n)
     np.testing.assert_allclose(clear["reward"][:, 0], [1 + g * 2 + g**2 * 3, 2 + g * 3 + g**2 * 4])
     np.testing.assert_allclose(clear["discount"], [g**3, g**3])
     np.testing.assert_allclose(clear["next_obs"][:, 0, 0], [3.0, 4.0])
     # one step, as before: every start but the last
-    one = maddpg.transitions(windows, g, True)
-    np.testing.assert_allclose(one["reward"][:, 0], [1.0, 2.0, 3.0, 4.0])
+    one = transitions(windows, g, True)
+    np.testing.assert_allclose(one["reward"][[0, 2, 3], 0], [1.0, 3.0, 4.0])  # start 1: no target
     np.testing.assert_allclose(one["weight"], [1.0, 0.0, 1.0, 1.0])
     with pytest.raises(algos.ConfigError, match="n_step=25 must be at least 1 and below steps_per_region=25"):
         make_run_config(TINY, overrides={"n_step": "25"})
@@ -234,7 +242,8 @@ def test_score_gives_per_agent_q_and_td_errors(continuous):
     q, dims = out["q_taken"]
     assert q.shape == (8, 40, 3) and dims == ("agent",) and bool(jnp.isfinite(q).all())
     td, _ = out["td_error"]
-    assert bool(jnp.isnan(td[:, -1]).all()) and bool(jnp.isfinite(td[:, :-1]).all())
+    cut = np.asarray(long["truncated"][:, :-1])  # time limits have no target (the default)
+    assert bool(jnp.isnan(td[:, -1]).all()) and bool(jnp.isfinite(td[:, :-1][~cut]).all())
 
 
 def test_truncations_leave_the_loss_but_not_the_bootstrap(continuous):

@@ -51,9 +51,9 @@ def region(data):
 def test_gae_matches_a_hand_computed_example():
     # gamma 0.9, lambda 0.5; step 1 ends its episode, so steps 0-1 do not see V(2)
     reward = jnp.array([[1.0, 2.0, 3.0, 4.0]])[..., None]  # [B=1, L=4, agent=1]
-    done = jnp.array([[False, True, False, False]])
+    terminated = jnp.array([[False, True, False, False]])
     value = jnp.array([[0.5, 1.0, 1.5, 2.0, 2.5]])[..., None]
-    adv, target = mappo.gae(reward, done, value, gamma=0.9, lam=0.5)
+    adv, target = mappo.gae(reward, terminated, jnp.zeros_like(terminated), value, gamma=0.9, lam=0.5)
     # deltas: 1 + .9*1 - .5 = 1.4 | 2 - 1 = 1.0 | 3 + .9*2 - 1.5 = 3.3 | 4 + .9*2.5 - 2 = 4.25
     # A_3 = 4.25; A_2 = 3.3 + .45*4.25 = 5.2125; A_1 = 1.0 (episode end); A_0 = 1.4 + .45*1.0
     np.testing.assert_allclose(adv[0, :, 0], [1.85, 1.0, 5.2125, 4.25], rtol=1e-6)

@@ -219,9 +219,10 @@ def test_qmix_update_fits_a_batch_and_copies_target(smax3m):
     state = learner.init(jax.random.PRNGKey(0))
     _, data, _ = collect(learner.policy_params(state), init(jax.random.PRNGKey(1)), {"epsilon": jnp.float32(1.0)})
     fields = {k: (v.shape[2:], v.dtype) for k, v in data.items()}
-    arrays, valid = buffer.empty(fields, n_slots=2, steps=16, n_envs=4)
-    arrays, valid = buffer.insert(arrays, valid, 0, data)
-    batch = buffer.sample_windows(jax.random.PRNGKey(2), arrays, valid, 4, 8)
+    arrays = buffer.insert(buffer.empty(fields, n_slots=2, steps=16, n_envs=4), 0, data)
+    ring = buffer.ring({0: 0}, 2, 1)
+    batch = buffer.sample_windows(jax.random.PRNGKey(2), arrays, ring,
+                                  buffer.window_starts(arrays, ring, 8), 4, 8)
     assert batch["obs"].shape == (4, 8, 3, 75)
     losses = []
     for _ in range(30):
@@ -256,23 +257,25 @@ def test_store_fields_derive_from_the_transition():
 
 
 def test_sampling_only_touches_committed_slots():
-    fields = {"x": ((), "int32")}
-    arrays, valid = buffer.empty(fields, n_slots=4, steps=8, n_envs=2)
-    region = {"x": jnp.full((8, 2), 7, jnp.int32)}
-    arrays, valid = buffer.insert(arrays, valid, 2, region)
-    batch = buffer.sample_windows(jax.random.PRNGKey(0), arrays, valid, 64, 4)
+    fields = {"x": ((), "int32"), "first": ((), "bool")}
+    arrays = buffer.empty(fields, n_slots=4, steps=8, n_envs=2)
+    region = {"x": jnp.full((8, 2), 7, jnp.int32), "first": jnp.zeros((8, 2), bool)}
+    arrays = buffer.insert(arrays, 2, region)
+    ring = buffer.ring({2: 5}, 4, 1)
+    batch = buffer.sample_windows(jax.random.PRNGKey(0), arrays, ring,
+                                  buffer.window_starts(arrays, ring, 4), 64, 4)
     assert bool(jnp.all(batch["x"] == 7))
 
 
 def test_a_mirror_of_several_seeds_keeps_each_seeds_envs_apart():
     # seed s owns envs [s*N, (s+1)*N) of a region; the mirror holds them at arrays[s]
-    arrays, valid = buffer.empty({"x": ((), "int32")}, n_slots=3, steps=2, n_envs=6, n_seeds=3)
+    arrays = buffer.empty({"x": ((), "int32")}, n_slots=3, steps=2, n_envs=6, n_seeds=3)
     assert arrays["x"].shape == (3, 3, 2, 2)
     region = {"x": jnp.arange(12, dtype=jnp.int32).reshape(2, 6)}  # [T, S*N]
-    arrays, valid = buffer.insert(arrays, valid, 1, region, n_seeds=3)
+    arrays = buffer.insert(arrays, 1, region, n_seeds=3)
     for s in range(3):
         np.testing.assert_array_equal(arrays["x"][s, 1], region["x"][:, 2 * s:2 * s + 2])
-    assert valid.tolist() == [False, True, False] and not bool(jnp.any(arrays["x"][:, 0]))
+    assert not bool(jnp.any(arrays["x"][:, 0]))
 
 
 def test_bad_algorithm_settings():
@@ -289,9 +292,10 @@ def test_lambda_returns_match_a_hand_computed_window():
     r = jnp.array([[1.0, 0.0, 2.0]])
     d = jnp.array([[0.0, 1.0, 0.0]])  # the episode ends after the 2nd transition
     v = jnp.array([[10.0, 20.0, 30.0]])  # target Q_tot of the next step
-    one_step = lambda_returns(r, d, v, 0.5, 0.0)
+    last = jnp.array([[False, False, True]])  # only the window's last step has no G of its own
+    one_step = lambda_returns(r, d, v, last, 0.5, 0.0)
     np.testing.assert_allclose(one_step, [[1 + 0.5 * 10, 0.0, 2 + 0.5 * 30]])
-    g = lambda_returns(r, d, v, 0.5, 0.5)
+    g = lambda_returns(r, d, v, last, 0.5, 0.5)
     g2 = 2 + 0.5 * 30
     g1 = 0.0  # terminal: no bootstrap
     g0 = 1 + 0.5 * (0.5 * 10 + 0.5 * g1)
