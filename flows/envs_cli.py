@@ -50,7 +50,7 @@ def cmd_envs(args) -> int:
             continue
         print(f"{r['id']:{width}s}  {r['family']:13s} {r['agents']:>6d} {r['obs']:>5d} {r['state']:>5d}  "
               f"{r['backend']:7s} {r['limit']:>5d}  {r['actions']}{', masked' if r['masked'] else ''}")
-    print("pz:<module>.<env> takes any other importable PettingZoo ParallelEnv (CPU); env kwargs: "
+    print("any other importable PettingZoo ParallelEnv: pz:<module>.<env> (CPU); env kwargs: "
           "--set env_kwargs='{\"max_steps\": 50}'")
     return 0
 

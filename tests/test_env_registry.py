@@ -1,0 +1,277 @@
+"""Every env id `marl envs` lists: its spec against what the real env returns, one tiny
+collect into a real replay store for a subset with each learner whose action space fits,
+heterogeneous agents padded with masks, and the one-line refusals (a bad id, a missing
+extra, a learner that cannot act in the env).
+
+Shapes and dtypes of every JAX id are checked on the traced reset and step (no compile);
+the envs of the collects step for real, jitted inside the collector. Every JAX id stepped
+for real under jit takes minutes on 2 cores: `MARL_ALL_ENVS=1 pytest tests/test_env_registry.py`
+(the `all_envs` tests) runs those, and the collects of the slower envs, too.
+"""
+
+import json
+import os
+import subprocess
+import sys
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from flows import checks
+from flows.envs_cli import describe
+from marl import algos, envs
+from pipelines import stages
+from pipelines.config import make_run_config
+from storage import ReplayStore
+
+ALL_IDS = envs.env_ids()
+JAX_IDS = [i for i in ALL_IDS if not envs.why_not(i) and not i.startswith("pz:")]
+all_envs = pytest.mark.skipif(not os.environ.get("MARL_ALL_ENVS"),
+                              reason="minutes on 2 cores; MARL_ALL_ENVS=1 runs it")
+
+pytestmark = pytest.mark.filterwarnings("ignore")  # jaxmarl's deprecation and dtype notes
+
+
+def _check_timestep(ts, spec: envs.EnvSpec, batch: tuple = ()):
+    """A Timestep (arrays or ShapeDtypeStructs) has the spec's shapes and dtypes."""
+    a = spec.n_agents
+    want = {"obs": ((a, spec.obs_dim), jnp.float32), "state": ((spec.state_dim,), jnp.float32),
+            "avail_actions": ((a, spec.mask_width), jnp.bool_), "reward": ((a,), jnp.float32),
+            "first": ((), jnp.bool_), "terminated": ((), jnp.bool_), "truncated": ((), jnp.bool_),
+            "won": ((), jnp.bool_)}
+    for name, (shape, dtype) in want.items():
+        leaf = getattr(ts, name)
+        assert tuple(leaf.shape) == batch + shape, (spec.env_id, name, leaf.shape)
+        assert jnp.dtype(leaf.dtype) == jnp.dtype(dtype), (spec.env_id, name, leaf.dtype)
+
+
+def _random_actions(key, spec: envs.EnvSpec, avail):
+    """Uniform valid actions for [..., agent] envs: available discrete ones, or in the bounds."""
+    if spec.discrete:
+        return jax.random.categorical(key, jnp.where(avail, 0.0, -jnp.inf)).astype(jnp.int32)
+    return jax.random.uniform(key, (*avail.shape[:-1], spec.action_dim), minval=spec.action_low,
+                              maxval=spec.action_high)
+
+
+def _check_flags(first, terminated, truncated, timesteps=False):
+    """An end is terminated or truncated, never both; after an end the next obs are first:
+    in stored transitions the step after the end, in Timesteps the end's own (the env
+    has already reset)."""
+    first, terminated, truncated = map(np.asarray, (first, terminated, truncated))
+    assert not (terminated & truncated).any()
+    assert first[0].all()
+    ended = terminated | truncated
+    np.testing.assert_array_equal(first[1:], ended[1:] if timesteps else ended[:-1])
+
+
+@pytest.mark.parametrize("env_id", ALL_IDS)
+def test_every_listed_env_makes_a_spec_that_its_steps_keep(env_id):
+    why = envs.why_not(env_id)
+    row = describe(env_id)  # what `marl envs` prints for it
+    if why:  # a missing package or an env not adapted: one line naming what would work
+        assert row["unavailable"] == why
+        with pytest.raises(envs.EnvError) as err:
+            envs.make(env_id)
+        assert "\n" not in str(err.value) and why in str(err.value) and ("use" in why or "install" in why)
+        return
+    env = envs.make(env_id)
+    spec = env.spec
+    assert (row["agents"], row["obs"], row["state"]) == (spec.n_agents, spec.obs_dim, spec.state_dim)
+    assert spec.episode_limit > 0 and spec.n_agents == len(set(spec.agents))
+    assert (spec.n_actions > 0) == spec.discrete and (spec.action_dim > 0) != spec.discrete
+    if spec.backend == "jax":
+        assert row["backend"] == "JAX"
+        key = jax.random.PRNGKey(0)
+        ts, state = jax.eval_shape(env.reset, key)
+        _check_timestep(ts, spec)
+        actions = jax.eval_shape(lambda k: _random_actions(k, spec, jnp.ones((spec.n_agents, spec.mask_width), bool)), key)
+        ts, _ = jax.eval_shape(env.step, key, state, actions)
+        _check_timestep(ts, spec)
+        return
+    # PettingZoo: real steps in numpy, cheap
+    assert row["backend"] == "CPU"
+    steps = [env.reset(seed=0)]
+    rng = np.random.default_rng(0)
+    for _ in range(spec.episode_limit + 2):  # through one episode end
+        avail = steps[-1].avail_actions
+        if spec.discrete:
+            actions = np.array([rng.choice(np.flatnonzero(m)) for m in avail])
+        else:
+            actions = rng.uniform(spec.action_low, spec.action_high, (spec.n_agents, spec.action_dim))
+        steps.append(env.step(actions))
+    for ts in steps:
+        _check_timestep(ts, spec)
+    _check_flags(*(np.stack([getattr(s, f) for s in steps]) for f in ("first", "terminated", "truncated")), timesteps=True)
+    assert any(s.truncated or s.terminated for s in steps)
+
+
+@all_envs
+@pytest.mark.parametrize("env_id", JAX_IDS)
+def test_every_jax_env_steps_for_real_under_jit(env_id):
+    env = envs.make(env_id)
+    spec, n = env.spec, 2
+    reset, step = jax.jit(jax.vmap(env.reset)), jax.jit(jax.vmap(env.step))
+    ts, state = reset(jax.random.split(jax.random.PRNGKey(0), n))
+    seen = [ts]
+    for i in range(4):
+        key = jax.random.PRNGKey(i + 1)
+        ts, state = step(jax.random.split(key, n), state, _random_actions(key, spec, ts.avail_actions))
+        seen.append(ts)
+    for ts in seen:
+        _check_timestep(ts, spec, batch=(n,))
+        assert np.isfinite(np.asarray(ts.obs)).all() and np.isfinite(np.asarray(ts.state)).all()
+        assert np.asarray(ts.avail_actions).any(axis=-1).all()  # every agent may do something
+    _check_flags(*(np.stack([getattr(s, f) for s in seen]) for f in ("first", "terminated", "truncated")),
+                 timesteps=True)
+
+
+# (env id, env kwargs, preset, algorithm): one tiny collect each into a real store, each
+# learner whose action space fits at least once, each family at least once
+COLLECTS = [
+    ("jaxmarl:hanabi", {}, "mappo-mpe-tiny", "mappo"),  # legal-move masks
+    ("jaxmarl:MPE_simple_speaker_listener_v4", {}, "qmix-smac-tiny", "qmix"),  # 3 and 5 actions
+    ("jaxmarl:overcooked", {"layout": "cramped_room", "max_steps": 5}, "mappo-mpe-tiny", "ippo"),  # images
+    ("jaxmarl:coin_game", {"num_inner_steps": 2, "num_outer_steps": 2}, "maddpg-mpe-tiny", "maddpg"),
+    ("jaxmarl:switch_riddle", {}, "qmix-smac-tiny", "iql"),  # multi-discrete obs, ends by "tell"
+    ("pz:mpe2.simple_speaker_listener_v4", {}, "mappo-mpe-tiny", "mappo"),  # the same padding on CPU
+]
+# 15-35 s each on 2 cores (the env's step compiles slowly): MARL_ALL_ENVS=1
+SLOW_COLLECTS = [
+    ("jaxmarl:MPE_simple_world_comm_v3", {}, "maddpg-mpe-tiny", "maddpg"),  # 9 and 5 action dims
+    ("jaxmarl:jaxnav", {"lidar_num_beams": 8, "max_steps": 5}, "mappo-mpe-tiny", "ippo"),  # per-dim bounds
+    ("jaxmarl:SMAX", {"scenario": "3m"}, "qmix-smac-tiny", "vdn"),  # both sides as agents
+    ("jaxmarl:overcooked_v2", {"max_steps": 5}, "mappo-mpe-tiny", "mappo"),
+    ("jaxmarl:MPE_simple_tag_v3", {"max_steps": 5}, "maddpg-mpe-tiny", "maddpg"),
+    ("jaxmarl:MPE_simple_facmac_3a_v1", {}, "mappo-mpe-tiny", "mappo"),
+]
+TIME_LIMIT_ONLY = ("overcooked", "coin_game", "MPE_", "pz:mpe2")
+
+
+def _tiny_run(tmp_path, env_id, env_kwargs, preset, algo):
+    return make_run_config(preset, env_id=env_id, run_dir=str(tmp_path / "run"), overrides={
+        "algo": algo, "env_kwargs": json.dumps(env_kwargs), "n_collectors": "1", "envs_per_collector": "2",
+        "steps_per_region": "8", "buffer_transitions": "64", "hidden": "16"})
+
+
+def _collect_into_a_store(tmp_path, env_id, env_kwargs, preset, algo):
+    config = _tiny_run(tmp_path, env_id, env_kwargs, preset, algo)
+    spec = checks.check_env(config)  # the learner fits: no refusal
+    cfg = config.to_dict()
+    try:
+        stages.prepare_run(cfg)
+        stages.collect(cfg, 0, 0, stages.policy_params(cfg), 0, 0)
+    finally:
+        stages.clear_caches()
+    store = ReplayStore.open(config.store_path)
+    assert envs.EnvSpec.from_dict(store.attrs["env_spec"]) == spec
+    data = store.read_region(0)
+    T, N, A = config.steps_per_region, config.envs_per_region, spec.n_agents
+    assert data["obs"].shape == (T, N, A, spec.obs_dim) and data["obs"].dtype == np.float32
+    assert data["state"].shape == (T, N, spec.state_dim)
+    assert data["avail_actions"].shape == (T, N, A, spec.mask_width) and data["avail_actions"].dtype == bool
+    assert data["avail_actions"].any(axis=-1).all()
+    assert np.isfinite(data["obs"]).all() and np.isfinite(data["reward"]).all()
+    action = data["action"]
+    if spec.discrete:
+        assert action.shape == (T, N, A)
+        taken = np.take_along_axis(data["avail_actions"], action[..., None].astype(np.int64), axis=-1)
+        assert taken.all()  # never an unavailable or padded action
+    else:
+        assert action.shape == (T, N, A, spec.action_dim)
+        assert (action >= spec.action_low).all() and (action <= spec.action_high).all()
+    _check_flags(data["first"], data["terminated"], data["truncated"])
+    ended = data["terminated"] | data["truncated"]
+    if env_id.startswith(TIME_LIMIT_ONLY) or any(k in env_id for k in TIME_LIMIT_ONLY):
+        assert not data["terminated"].any()  # their episodes end only at the time limit
+    if env_kwargs.get("max_steps", 99) < T or env_id.endswith("coin_game"):
+        assert ended.any()  # the short episodes ended inside the region
+    return spec, data
+
+
+@pytest.mark.parametrize("env_id, env_kwargs, preset, algo", COLLECTS, ids=[c[0] for c in COLLECTS])
+def test_a_tiny_collect_into_a_real_store(tmp_path, env_id, env_kwargs, preset, algo):
+    spec, data = _collect_into_a_store(tmp_path, env_id, env_kwargs, preset, algo)
+    if "speaker_listener" in env_id:  # the speaker has 3 actions and 3 obs, the listener 5 and 11
+        speaker = spec.agents.index("speaker_0")
+        assert (data["avail_actions"][..., speaker, :] == [True, True, True, False, False]).all()
+        assert (data["action"][..., speaker] < 3).all()
+        assert (data["obs"][..., speaker, 3:] == 0).all()
+    if env_id == "jaxmarl:hanabi":  # only the player to move has more than the one legal no-op
+        assert (data["avail_actions"].sum(-1) > 1).sum(-1).max() == 1
+
+
+@all_envs
+@pytest.mark.parametrize("env_id, env_kwargs, preset, algo", SLOW_COLLECTS, ids=[c[0] for c in SLOW_COLLECTS])
+def test_a_tiny_collect_of_the_slower_envs(tmp_path, env_id, env_kwargs, preset, algo):
+    _collect_into_a_store(tmp_path, env_id, env_kwargs, preset, algo)
+
+
+def test_agents_with_other_bounds_act_in_one_range_rescaled_to_their_own():
+    env = envs.make("jaxmarl:jaxnav", lidar_num_beams=8)
+    space = env.env.action_space(env.spec.agents[0])
+    assert (env.spec.action_low, env.spec.action_high) == (-1.0, 1.0)
+    n = env.spec.n_agents
+    for value, want in ((-1.0, space.low), (1.0, space.high)):
+        out = env.env_actions(jnp.full((n, env.spec.action_dim), value))
+        np.testing.assert_allclose(out[env.spec.agents[0]], want, rtol=1e-6)
+    # one range for all agents (MPE's [0, 1]): passed through, cut to each agent's own dims
+    comm = envs.make("jaxmarl:MPE_simple_world_comm_v3")
+    assert (comm.spec.action_low, comm.spec.action_high, comm.spec.action_dim) == (0.0, 1.0, 9)
+    out = comm.env_actions(jnp.full((comm.spec.n_agents, 9), 0.25))
+    assert {a: v.shape for a, v in out.items()} == {a: (s,) for a, s in zip(comm.spec.agents, comm.action_sizes)}
+
+
+def test_env_kwargs_reach_the_env_and_bad_ones_are_one_line():
+    assert envs.spec_of("jaxmarl:hanabi", num_agents=3).n_agents == 3
+    assert envs.spec_of("jaxmarl:HeuristicEnemySMAX", scenario="2s3z").n_agents == 5
+    assert envs.spec_of("jaxmarl:overcooked", layout="coord_ring").obs_dim != envs.spec_of("jaxmarl:overcooked").obs_dim
+    for env_id, kwargs, words in [
+        ("jaxmarl:hanabi", {"num_agentz": 3}, ["unknown env kwarg(s) num_agentz", "num_agents"]),
+        ("jaxmarl:hanabi", {"num_agents": 9}, ["bad env kwarg value"]),
+        ("jaxmarl:overcooked", {"layout": "no_room"}, ["unknown layout 'no_room'", "cramped_room"]),
+        ("jaxmarl:SMAX", {"scenario": "4m"}, ["unknown scenario '4m'", "3m"]),
+        ("smax:3m", {"scenario": "8m"}, ["the id names the scenario"]),
+        ("jaxmarl:nope", {}, ["unknown env id 'jaxmarl:nope'", "marl envs"]),
+    ]:
+        with pytest.raises(envs.EnvError) as err:
+            envs.make(env_id, **kwargs)
+        assert "\n" not in str(err.value) and all(w in str(err.value) for w in words), str(err.value)
+
+
+def test_runs_the_system_cannot_train_are_refused_in_one_line(tmp_path):
+    # a learner for discrete actions on a continuous env: says which learners fit
+    with pytest.raises(algos.ConfigError, match=r"qmix needs discrete actions .* use ippo, maddpg, mappo"):
+        checks.check_env(_tiny_run(tmp_path, "jaxmarl:jaxnav", {}, "qmix-smac-tiny", "qmix"))
+    # a missing optional package: says which extra installs it
+    if envs.why_not("jaxmarl:ant_4x2"):
+        with pytest.raises(envs.EnvError, match=r"needs brax.*mabrax extra"):
+            checks.check_env(_tiny_run(tmp_path, "jaxmarl:ant_4x2", {}, "mappo-mpe-tiny", "mappo"))
+    # a preset's own env kwargs on another env: says whose they are
+    config = make_run_config("maddpg-mpe-tiny", env_id="jaxmarl:hanabi", run_dir=str(tmp_path / "r"))
+    with pytest.raises(envs.EnvError, match=r"preset maddpg-mpe-tiny's for mpe:simple_spread.*env_kwargs='\{\}'"):
+        checks.check_env(config)
+    # through the CLI: one line on stderr, exit 2, nothing written
+    run_dir = tmp_path / "cli"
+    proc = subprocess.run([sys.executable, "-m", "flows.cli", "train", "qmix-smac-tiny", "--env", "jaxmarl:jaxnav",
+                           "--run-dir", str(run_dir)], capture_output=True, text=True, timeout=120,
+                          cwd=tmp_path)
+    lines = [line for line in proc.stderr.splitlines() if line.strip() and "Warning" not in line
+             and not line.startswith("  warnings.warn")]
+    assert proc.returncode == 2 and len(lines) == 1 and "use ippo, maddpg, mappo" in lines[0], proc.stderr
+    assert not run_dir.exists()
+
+
+def test_marl_envs_lists_ids_with_their_spaces(capsys):
+    from flows.cli import main
+
+    assert main(["envs", "speaker"]) == 0
+    out = capsys.readouterr().out
+    rows = {line.split()[0]: line for line in out.splitlines() if line.startswith(("mpe:", "jaxmarl:", "pz:"))}
+    assert set(rows) == {i for i in ALL_IDS if "speaker" in i}
+    assert "discrete 5 (own 3/5), masked" in rows["jaxmarl:MPE_simple_speaker_listener_v4"]
+    assert " JAX " in rows["mpe:simple_speaker_listener"] and " CPU " in rows["pz:mpe2.simple_speaker_listener_v4"]
+    assert main(["envs", "no-such-env"]) == 2
+    assert "no env id contains 'no-such-env'" in capsys.readouterr().err
