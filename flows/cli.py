@@ -21,14 +21,17 @@ COMMAND_MODULES = ("flows.replay_cli", "flows.stack", "flows.benchmark_cli", "fl
                    "flows.envs_cli")
 
 
-def _embedded_defaults():
-    """Prefect without a server (a temporary one in-process), its state under .prefect/."""
+def _embedded_defaults(verbose: bool = False):
+    """Prefect without a server (a temporary one in-process), its state under .prefect/;
+    Prefect's and Dask's log lines only from warnings up, unless `verbose`."""
     os.environ.setdefault("PREFECT_HOME", os.path.abspath(".prefect"))
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "90")
+    if verbose:  # read by Prefect and Dask at import
+        os.environ["PREFECT_LOGGING_LEVEL"], os.environ["DASK_LOGGING__DISTRIBUTED"] = "INFO", "info"
     os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
-    os.environ.setdefault("DASK_LOGGING__DISTRIBUTED", "warning")  # read by dask at import
-    logging.getLogger("distributed").setLevel(logging.WARNING)
+    os.environ.setdefault("DASK_LOGGING__DISTRIBUTED", "warning")
+    logging.getLogger("distributed").setLevel(logging.INFO if verbose else logging.WARNING)
 
 
 class Parser(argparse.ArgumentParser):
@@ -78,7 +81,7 @@ def quiet_reported_failures() -> None:
 
 
 def cmd_train(args) -> int:
-    _embedded_defaults()
+    _embedded_defaults(args.verbose)
     from flows import checks
 
     # the cheap checks first: a typo costs no JAX import, no cluster, no server
@@ -122,7 +125,7 @@ def cmd_train(args) -> int:
     from flows import train as train_flow
 
     quiet_reported_failures()
-    console = Console()
+    console = Console(quiet=args.quiet)  # --quiet: only the final line below
 
     table = Table(title=f"{config.preset} on {config.env_id}")
     for col in ("iter", "env steps", "test win", "return", "loss", "env steps/s"):
@@ -140,7 +143,8 @@ def cmd_train(args) -> int:
                 progress.console.print(f"iter {row['iteration']:>5}  steps {row['env_steps']:>9,}  "
                                        f"test win {fmt(row['test_win_rate'], '.3f'):>5}  "
                                        f"return {fmt(row['return'], '.3f'):>6}  loss {fmt(row['loss'], '.4f'):>7}  "
-                                       f"steps/s {fmt(row['steps_per_s'], ',.0f'):>6}")
+                                       f"steps/s {fmt(row['steps_per_s'], ',.0f'):>6}",
+                                       soft_wrap=True)  # one line in a log file too
 
         train_flow.ITERATION_HOOKS.append(on_iteration)
         try:
@@ -161,7 +165,16 @@ def cmd_train(args) -> int:
         console.print(f"resumed from iteration {result['resumed_from']}")
     console.print(f"replay store: {os.path.abspath(result['store'])}")
     console.print(f"checkpoints:  {result['checkpoint_dir']}")
+    if args.quiet:
+        print(_final_line(config, result))
     return 0
+
+
+def _final_line(config, result) -> str:
+    """--quiet's one line: how far the run got, its last evaluation and where it is."""
+    tested = [r for r in result["history"] if "test_win_rate" in r]
+    last = f", test win {tested[-1]['test_win_rate']:.3f}, return {tested[-1]['return']:.3f}" if tested else ""
+    return f"{config.preset} on {config.env_id}: {result['env_steps']:,} env steps{last}; run dir {config.run_dir}"
 
 
 def cmd_presets(args) -> int:
@@ -197,6 +210,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--logger", metavar="NAMES", help="where per-iteration metrics go: csv (default, "
                    "RUN_DIR/metrics.csv), tensorboard (RUN_DIR/tensorboard, needs the tensorboard extra), "
                    "comma-separated, e.g. --logger csv,tensorboard")
+    talk = p.add_mutually_exclusive_group()
+    talk.add_argument("--quiet", action="store_true", help="print only one final line (errors still one line)")
+    talk.add_argument("--verbose", action="store_true", help="also print Prefect's and Dask's log lines")
     p.set_defaults(fn=cmd_train)
 
     for module in COMMAND_MODULES:  # each adds its own subcommands

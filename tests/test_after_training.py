@@ -286,18 +286,45 @@ def test_missing_or_unknown_logger_is_one_line(monkeypatch, capsys):
         parse_loggers("csv,tensorboard")
 
 
-def test_resumed_run_appends_without_duplicating_or_dropping_rows(run, dask_cluster):
-    """Last in this module: it trains the shared run on. An interrupted run may have logged an
-    iteration after its last checkpoint; the resumed run replaces that row."""
-    from flows.train import marl_train
+def test_resumed_run_appends_and_marl_train_prints_only_the_bar_the_table_and_the_paths(run, dask_cluster, tmp_path):
+    """Next to last in this module: it trains the shared run on, through `marl train` in a
+    fresh process (its own imports, so banners and log lines would show), on the tests'
+    cluster and Prefect server. An interrupted run may have logged an iteration after its
+    last checkpoint; the resumed run replaces that row."""
+    import re
+
+    from prefect.settings import PREFECT_API_URL
 
     path = os.path.join(run["run_dir"], "metrics.csv")
     with open(path, "a") as f:
         f.write("3,1536,99.0\n4,20")  # logged, then killed mid-line before checkpoint 4
-    result = marl_train(preset=TINY, run_dir=run["run_dir"], env_steps=2048, loggers="csv,tensorboard",
-                        scheduler_address=dask_cluster.scheduler_address)
-    assert result["resumed_from"] == 2
+    env = {**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value(), "PREFECT_HOME": str(tmp_path / "prefect")}
+    done = subprocess.run([os.path.join(os.path.dirname(sys.executable), "marl"), "train", TINY, "--run-dir",
+                           run["run_dir"], "--env-steps", "2048", "--logger", "csv,tensorboard", "--scheduler",
+                           dask_cluster.scheduler_address], capture_output=True, text=True, env=env,
+                          cwd=tmp_path, timeout=600)
+    assert done.returncode == 0 and done.stderr == "", done.stderr
+    lines = done.stdout.splitlines()
+    wanted = (r"iter +4  steps +2,048  test win .*steps/s +[\d,]+", r"training ━+ 2,048/2,048 env steps [\d:]+",
+              rf"{TINY} on smax:3m", r"[┏┃┡│└].*[┓┃┩│┘]", "resumed from iteration 2",
+              rf"replay store: {re.escape(run['run_dir'])}/replay", rf"checkpoints:  {re.escape(run['run_dir'])}/checkpoints")
+    for line in lines:
+        assert any(re.fullmatch(w, line.strip()) for w in wanted), (line, done.stdout)
+    assert sum("resumed from iteration 2" in line for line in lines) == 1 and lines[-1].startswith("checkpoints:")
+
     rows = read_csv(run["run_dir"])
     assert [int(r["iteration"]) for r in rows] == [1, 2, 3, 4]
-    assert float(rows[2]["return"]) == result["history"][0]["return"]
+    printed = re.search(r"iter +4 .* return +(-?[\d.]+)", done.stdout).group(1)
+    assert f"{float(rows[3]['return']):.3f}" == printed and rows[2]["return"] != "99.0"
     assert [s for s, _ in read_scalars(run["run_dir"])["return"]] == [512, 1024, 1536, 2048]
+
+
+def test_quiet_train_prints_one_line(run, dask_cluster, capsys):
+    """The shared run is done (2048 env steps): --quiet says so in one line."""
+    code, out, err = cli(capsys, "train", TINY, "--run-dir", run["run_dir"], "--env-steps", 2048, "--quiet",
+                         "--scheduler", dask_cluster.scheduler_address)
+    assert code == 0 and out == f"{TINY} on smax:3m: 2,048 env steps; run dir {run['run_dir']}\n", (out, err)
+    with pytest.raises(SystemExit) as exit:  # argparse's error, in one line
+        main(["train", TINY, "--quiet", "--verbose"])
+    err = capsys.readouterr().err
+    assert exit.value.code == 2 and "not allowed with argument --quiet" in err and err.count("\n") == 1
