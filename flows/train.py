@@ -22,7 +22,7 @@ from flows import loggers as metric_loggers
 from pipelines import cluster as clusters
 from pipelines import stages
 from pipelines.config import RunConfig, make_run_config
-from pipelines.dataflow import Dataflow, Placement, RunStopped, Watch
+from pipelines.dataflow import RunStopped, Watch, run_moving
 
 # callables (iteration row) -> None; the CLI registers one to draw progress
 ITERATION_HOOKS: list[Callable[[dict], Any]] = []
@@ -139,20 +139,29 @@ def marl_train(preset: str = "qmix-smac", env: str | None = None, env_steps: int
     cfg = config.to_dict()
     with clusters.connect(scheduler_address, n_workers=n_workers) as client, stage_errors(config.run_dir):
         quiet_task_errors(client)
-        where = Placement.on(client, config)
         dashboard = client.dashboard_link
         logger.info("Dask dashboard: %s", dashboard)
-        start = prepare_task(client, where.learner, cfg)
-        config = RunConfig(**start["config"])  # its ring as fitted to the learner's memory
-        if start["replay_note"]:
-            logger.warning(start["replay_note"])
-        if start["iteration"]:
-            logger.info("resuming %s at iteration %d (%d env steps) from its checkpoint",
-                        config.run_dir, start["iteration"], start["env_steps"])
-        began = time.perf_counter()
-        # opened once the resume point is known: a resumed run's files drop what came after it
-        writers = metric_loggers.open_loggers(logger_names, config.run_dir, start["iteration"], cfg,
-                                              start["env_steps"])
+        writers: list = []
+        starts: list[dict] = []
+
+        def on_start(start, where):
+            nonlocal config
+            config = RunConfig(**start["config"])  # its ring as fitted to the learner's memory
+            if starts:
+                logger.warning("the learner's worker was lost; the learner moved to %s and resumes "
+                               "%s from its checkpoint at iteration %d", where.learner, config.run_dir,
+                               start["iteration"])
+            else:
+                if start["replay_note"]:
+                    logger.warning(start["replay_note"])
+                if start["iteration"]:
+                    logger.info("resuming %s at iteration %d (%d env steps) from its checkpoint",
+                                config.run_dir, start["iteration"], start["env_steps"])
+            starts.append(start)
+            for writer in writers:  # (re)opened at the start: they drop what came after it
+                writer.close()
+            writers[:] = metric_loggers.open_loggers(logger_names, config.run_dir, start["iteration"],
+                                                     cfg, start["env_steps"])
 
         def on_row(row):
             logger.info(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
@@ -162,9 +171,10 @@ def marl_train(preset: str = "qmix-smac", env: str | None = None, env_steps: int
             for hook in ITERATION_HOOKS:
                 hook({**row, "n_iterations": config.n_iterations})
 
-        dataflow = Dataflow(client, config, start, where)
+        began = time.perf_counter()
         try:
-            history = dataflow.run(on_row)
+            history, dataflow = run_moving(client, config, lambda worker: prepare_task(client, worker, cfg),
+                                           on_start, on_row)
         except BaseException:
             for writer in writers:
                 writer.close()
@@ -174,10 +184,11 @@ def marl_train(preset: str = "qmix-smac", env: str | None = None, env_steps: int
             logger.info("stopped after %.0f s (max_wall_s)", config.max_wall_s)
         # long-lived workers (a stack's) would otherwise keep every finished run in memory
         client.run(stages.forget_run, config.run_dir)
-    env_steps_done = history[-1]["env_steps"] if history else start["env_steps"]
+    env_steps_done = history[-1]["env_steps"] if history else starts[-1]["env_steps"]
     result = {"run_dir": config.run_dir, "store": config.store_path,
               "checkpoint_dir": config.checkpoint_dir, "iterations": len(history),
-              "resumed_from": start["iteration"], "env_steps": env_steps_done, "history": history,
+              "resumed_from": starts[0]["iteration"], "learner_moves": len(starts) - 1,
+              "env_steps": env_steps_done, "history": history,
               "final_eval": dataflow.final_eval, "wall_s": time.perf_counter() - began,
               "dataflow": summary, "dashboard": dashboard}
     from flows.artifacts import publish_run_artifacts  # matplotlib only once a run ends

@@ -20,6 +20,10 @@ futures from the learner's worker to each collector's worker, once per version.
 The driver keeps K + 2 iterations submitted ahead of the learner, reads each train's
 metrics as it completes, and emits one row per iteration in order (waiting for an
 iteration's evaluation only to emit its row, never to submit more work).
+
+`run_moving` survives the loss of the learner's worker: the learner moves to another worker
+from its last checkpoint and the committed replay, and the iterations after the checkpoint
+are collected and trained again (their regions rewritten in place, so each stays once).
 """
 
 from __future__ import annotations
@@ -61,6 +65,11 @@ class Placement:
 class RunStopped(RuntimeError):
     """The run cannot go on (its learner's worker or the scheduler is gone);
     the message says why and how to resume, in one line."""
+
+
+class LearnerLost(RunStopped):
+    """The learner's worker is gone (killed, crashed) while other workers remain: the
+    learner can move to one of them (`run_moving`)."""
 
 
 # how often a wait checks that the run can go on, and how long the learner's worker may stay
@@ -107,8 +116,11 @@ class Watch:
                              "once it is back") from None
         info = workers.get(self.learner)
         if info is None:  # (with every other worker, maybe: then it is the likelier cause)
+            lost, for_memory = self._lost()
+            if workers and not for_memory:  # a memory restart would only recur elsewhere
+                raise LearnerLost(f"{lost} during {self.doing}; {resume}")
             left = "" if workers else " (and no worker is left)"
-            raise RunStopped(f"{self._lost()} during {self.doing}{left}; {resume}")
+            raise RunStopped(f"{lost} during {self.doing}{left}; {resume}")
         self.last_seen = info
         if info.get("status") != "paused":
             self.paused_since = None
@@ -119,17 +131,18 @@ class Watch:
                 f"the learner's worker {self.learner} was paused by Dask for {PAUSED_LIMIT_S:.0f} s at "
                 f"{_memory(info)} during {self.doing}; {_LOWER}, then {resume}")
 
-    def _lost(self) -> str:
+    def _lost(self) -> tuple[str, bool]:
+        """What happened to the learner's worker, and whether Dask restarted it for memory."""
         restarts = [event for _, event in self.client.get_events("worker-restart-memory")
                     if event.get("worker") == self.learner]
         if restarts:
             limit = self.last_seen.get("memory_limit")
             return (f"the learner's worker {self.learner} was restarted by Dask for memory "
                     f"({_gib(restarts[-1]['rss'])} used" + (f" of its {_gib(limit)} limit" if limit else "")
-                    + f"; {_LOWER})")
+                    + f"; {_LOWER})"), True
         if self.last_seen:
-            return f"the learner's worker {self.learner} was lost (last seen at {_memory(self.last_seen)})"
-        return f"the learner's worker {self.learner} was lost"
+            return f"the learner's worker {self.learner} was lost (last seen at {_memory(self.last_seen)})", False
+        return f"the learner's worker {self.learner} was lost", False
 
 
 _LOWER = "lower buffer_transitions, n_seeds or replay_memory_fraction, or give workers more memory"
@@ -333,6 +346,64 @@ class Dataflow:
                 "evaluate_s": self.busy["evaluator"],
                 "policy_lag_histogram": {int(k): int(v) for k, v in sorted(self.lags.items())},
                 "breakdown_s": {k: float(v) for k, v in self.breakdown.items()}}
+
+
+MAX_LEARNER_MOVES = 3  # a learner that keeps losing its worker stops the run instead
+DRAIN_S = 300.0  # how long a move waits for the old dataflow's region writes to finish
+
+
+def run_moving(client: Client, config: RunConfig, prepare: Callable[[str], dict],
+               on_start: Callable[[dict, Placement], None] = lambda start, where: None,
+               on_row: Callable[[dict], None] = lambda row: None) -> tuple[list[dict], Dataflow]:
+    """Runs the dataflow to its end and returns (rows, the last Dataflow). When the
+    learner's worker is lost (LearnerLost: killed or crashed, other workers left), the learner
+    moves, at most MAX_LEARNER_MOVES times: the region writes still running finish, the
+    placement is made again on the workers alive, and the run resumes from its last
+    checkpoint on the new learner's worker (whose mirror reloads the committed regions).
+
+    `prepare(worker)` says where to start on that worker (stages.prepare_run's answer);
+    `on_start(start, placement)` hears every start, so a caller that keeps rows per iteration
+    drops those after start["iteration"] (a move trains them again)."""
+    rows: list[dict] = []
+
+    def row(r):
+        rows.append(r)
+        on_row(r)
+
+    for moves in range(MAX_LEARNER_MOVES + 1):
+        where = Placement.on(client, config)
+        start = prepare(where.learner)
+        config = RunConfig(**start["config"])  # its ring as fitted to that worker's memory
+        rows = [r for r in rows if r["iteration"] <= start["iteration"]]
+        on_start(start, where)
+        dataflow = Dataflow(client, config, start, where)
+        try:
+            dataflow.run(row)
+            return rows, dataflow
+        except LearnerLost as lost:
+            if moves == MAX_LEARNER_MOVES:
+                raise RunStopped(f"{lost} (the learner already moved {moves} times in this run)") from None
+            _drain(client, config.run_dir)
+    raise AssertionError("unreachable")
+
+
+def _drain(client: Client, run_dir: str):
+    """Waits until no worker runs a collect call of this run (the dropped dataflow's
+    seceded region writes), so the next dataflow never writes a region beside them."""
+    deadline = time.monotonic() + DRAIN_S
+    while True:
+        try:
+            running = client.run(stages.collects_running, run_dir, on_error="ignore")
+        except Exception as e:  # the comm's own errors, whatever the transport
+            raise RunStopped(f"the Dask scheduler is unreachable ({type(e).__name__}: {e}); run the same "
+                             f"command again to resume {run_dir} once it is back") from None
+        if not any(isinstance(n, int) and n for n in running.values()):
+            return
+        if time.monotonic() > deadline:
+            raise RunStopped(f"region writes of {run_dir} still running after {DRAIN_S:.0f} s on "
+                             f"{', '.join(w for w, n in running.items() if n)}; run the same command "
+                             "again to resume from the last checkpoint")
+        time.sleep(0.2)
 
 
 def _mean(values) -> float:

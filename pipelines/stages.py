@@ -259,6 +259,16 @@ def _new_collector(config: RunConfig, parts: RunParts) -> CollectorState:
     return CollectorState(parts, open_store(config, env.spec), init, collect_fn)
 
 
+_RUNNING: dict = {}  # abs run dir -> collect calls running in this worker (rollout or write)
+
+
+def collects_running(run_dir: str) -> int:
+    """How many collect calls of one run this worker is running, their writes included (a
+    Dask task that has seceded to write still writes after its future is dropped)."""
+    with _LOCK:
+        return _RUNNING.get(os.path.abspath(run_dir), 0)
+
+
 def collect(config, collector: int, iteration: int, params, param_version: int,
             env_steps: int) -> dict:
     """Region `iteration * n_collectors + collector`: T steps of N envs acting with the
@@ -275,6 +285,18 @@ def collect(config, collector: int, iteration: int, params, param_version: int,
     for an earlier region's write, Zarr write and commit).
     """
     config = as_config(config)
+    run = os.path.abspath(config.run_dir)
+    with _LOCK:
+        _RUNNING[run] = _RUNNING.get(run, 0) + 1
+    try:
+        return _collect(config, collector, iteration, params, param_version, env_steps)
+    finally:
+        with _LOCK:
+            _RUNNING[run] -= 1
+
+
+def _collect(config: RunConfig, collector: int, iteration: int, params, param_version: int,
+             env_steps: int) -> dict:
     state = _state("collect", config, lambda parts: _new_collector(config, parts), collector)
     region_id = iteration * config.n_collectors + collector
     started = time.perf_counter()
