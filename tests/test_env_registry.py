@@ -134,15 +134,16 @@ COLLECTS = [
     ("jaxmarl:hanabi", {}, "mappo-mpe-tiny", "mappo"),  # legal-move masks
     ("jaxmarl:MPE_simple_speaker_listener_v4", {}, "qmix-smac-tiny", "qmix"),  # 3 and 5 actions
     ("jaxmarl:overcooked", {"layout": "cramped_room", "max_steps": 5}, "mappo-mpe-tiny", "ippo"),  # images
-    ("jaxmarl:coin_game", {"num_inner_steps": 2, "num_outer_steps": 2}, "maddpg-mpe-tiny", "maddpg"),
+    ("jaxmarl:coin_game", {"num_inner_steps": 2, "num_outer_steps": 2}, "qmix-smac-tiny", "vdn"),
     ("jaxmarl:switch_riddle", {}, "qmix-smac-tiny", "iql"),  # multi-discrete obs, ends by "tell"
     ("pz:mpe2.simple_speaker_listener_v4", {}, "mappo-mpe-tiny", "mappo"),  # the same padding on CPU
 ]
-# 15-35 s each on 2 cores (the env's step compiles slowly): MARL_ALL_ENVS=1
+# 15-35 s each on 2 cores (a slow step or MADDPG's learner to compile): MARL_ALL_ENVS=1
 SLOW_COLLECTS = [
     ("jaxmarl:MPE_simple_world_comm_v3", {}, "maddpg-mpe-tiny", "maddpg"),  # 9 and 5 action dims
     ("jaxmarl:jaxnav", {"lidar_num_beams": 8, "max_steps": 5}, "mappo-mpe-tiny", "ippo"),  # per-dim bounds
-    ("jaxmarl:SMAX", {"scenario": "3m"}, "qmix-smac-tiny", "vdn"),  # both sides as agents
+    ("jaxmarl:SMAX", {"scenario": "3m"}, "qmix-smac-tiny", "qmix"),  # both sides as agents
+    ("jaxmarl:coin_game", {"num_inner_steps": 2, "num_outer_steps": 2}, "maddpg-mpe-tiny", "maddpg"),
     ("jaxmarl:overcooked_v2", {"max_steps": 5}, "mappo-mpe-tiny", "mappo"),
     ("jaxmarl:MPE_simple_tag_v3", {"max_steps": 5}, "maddpg-mpe-tiny", "maddpg"),
     ("jaxmarl:MPE_simple_facmac_3a_v1", {}, "mappo-mpe-tiny", "mappo"),
