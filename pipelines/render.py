@@ -75,14 +75,14 @@ def play_episodes(run: SavedRun, episodes: int, seed_index: int = 0, max_steps: 
     env = run.parts.env
     limit = max_steps or env.spec.episode_limit or 10_000
     if env.spec.backend == "jax":
-        return [_play_jax(env, params, act, init_carry, k, limit) for k in jax.random.split(key, episodes)]
+        reset, step = jax.jit(env.reset), jax.jit(env.step)  # compiled once for every episode
+        return [_play_jax(reset, step, params, act, init_carry, k, limit) for k in jax.random.split(key, episodes)]
     return _play_pettingzoo(run, params, act, init_carry, key, episodes, limit)
 
 
-def _play_jax(env, params, act, init_carry, key, limit: int) -> Episode:
-    step = jax.jit(env.step)
+def _play_jax(reset, step, params, act, init_carry, key, limit: int) -> Episode:
     key, reset_key = jax.random.split(key)
-    ts, state = jax.jit(env.reset)(reset_key)
+    ts, state = reset(reset_key)
     carry, episode = init_carry(1), Episode([])
     for _ in range(limit):
         key, act_key, step_key = jax.random.split(key, 3)

@@ -286,6 +286,38 @@ def test_missing_or_unknown_logger_is_one_line(monkeypatch, capsys):
         parse_loggers("csv,tensorboard")
 
 
+def test_runs_lists_the_run_and_compare_draws_its_curves(run, tmp_path, capsys):
+    parent = os.path.dirname(run["run_dir"])
+    code, out, err = cli(capsys, "runs", parent, "--json")
+    assert code == 0, err
+    (listed,) = json.loads(out)
+    rows = read_csv(run["run_dir"])
+    assert {k: listed[k] for k in ("run_dir", "preset", "env_id", "algo", "n_seeds", "env_steps", "checkpoint",
+                                   "status")} == {"run_dir": run["run_dir"], "preset": TINY, "env_id": "smax:3m",
+                                                  "algo": "qmix", "n_seeds": 1, "env_steps": 1024, "checkpoint": 2,
+                                                  "status": "finished"}
+    assert listed["test_win_rate"] == float(rows[1]["test_win_rate"]) and listed["tested_at"] == 1024
+    code, out, err = cli(capsys, "runs", parent)
+    assert code == 0 and "qmix-smac-tiny" in out and "1,024/1,024" in out and "finished" in out
+
+    figure = tmp_path / "curves.png"
+    code, out, err = cli(capsys, "compare", run["run_dir"], run["run_dir"], "--out", figure, "--metric", "return",
+                         "--metric", "test_return", "--json")
+    assert code == 0, err
+    report = json.loads(out)
+    assert report["figure"] == str(figure) and figure.read_bytes().startswith(b"\x89PNG")
+    returns = [float(r["return"]) for r in rows]
+    assert report["runs"][0]["return"] == {"final": returns[-1], "final_std": None, "best": max(returns)}
+    assert report["runs"][0]["test_return"]["final"] == float(rows[1]["test_return"])
+    code, out, err = cli(capsys, "compare", run["run_dir"], "--out", figure)
+    assert code == 0 and "test win rate final" in out and out.endswith(f"learning curves: {figure}\n")
+    for args, words in ((["compare", parent], ["is not a run dir"]),
+                        (["compare", run["run_dir"], "--metric", "wins"], ["no column wins", "test_win_rate"]),
+                        (["runs", tmp_path / "missing"], ["is not a directory"])):
+        code, out, err = cli(capsys, *args)
+        assert code == 2 and out == "" and err.count("\n") == 1 and all(w in err for w in words), (args, err)
+
+
 def test_resumed_run_appends_and_marl_train_prints_only_the_bar_the_table_and_the_paths(run, dask_cluster, tmp_path):
     """Next to last in this module: it trains the shared run on, through `marl train` in a
     fresh process (its own imports, so banners and log lines would show), on the tests'
@@ -320,10 +352,11 @@ def test_resumed_run_appends_and_marl_train_prints_only_the_bar_the_table_and_th
 
 
 def test_quiet_train_prints_one_line(run, dask_cluster, capsys):
-    """The shared run is done (2048 env steps): --quiet says so in one line."""
-    code, out, err = cli(capsys, "train", TINY, "--run-dir", run["run_dir"], "--env-steps", 2048, "--quiet",
+    """Asked for no more env steps than the shared run has done, --quiet says so in one line."""
+    done = int(read_csv(run["run_dir"])[-1]["env_steps"])
+    code, out, err = cli(capsys, "train", TINY, "--run-dir", run["run_dir"], "--env-steps", done, "--quiet",
                          "--scheduler", dask_cluster.scheduler_address)
-    assert code == 0 and out == f"{TINY} on smax:3m: 2,048 env steps; run dir {run['run_dir']}\n", (out, err)
+    assert code == 0 and out == f"{TINY} on smax:3m: {done:,} env steps; run dir {run['run_dir']}\n", (out, err)
     with pytest.raises(SystemExit) as exit:  # argparse's error, in one line
         main(["train", TINY, "--quiet", "--verbose"])
     err = capsys.readouterr().err
