@@ -332,8 +332,8 @@ def _make_jaxmarl(env_id: str, name: str, kwargs: dict) -> JaxEnv:
     if unknown:
         raise EnvError(f"{env_id}: unknown env kwarg(s) {', '.join(unknown)}; valid: {', '.join(sorted(valid))}")
     if error is not None:
-        why = " ".join(f"{type(error).__name__}: {error}".split())
-        raise EnvError(f"{env_id}: bad env kwarg value ({why}); see jaxmarl's {name} arguments")
+        why = " ".join(str(error).split()) or type(error).__name__
+        raise EnvError(f"{env_id}: bad env kwarg ({why}); see jaxmarl's {name} arguments")
     if family == "smax" and getattr(env, "action_type", "discrete") != "discrete":
         raise EnvError(f"{env_id}: only discrete SMAX actions are supported; drop action_type")
     return _adapt(env, env_id, family)

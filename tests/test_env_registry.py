@@ -185,7 +185,7 @@ def _collect_into_a_store(tmp_path, env_id, env_kwargs, preset, algo):
         assert (action >= spec.action_low).all() and (action <= spec.action_high).all()
     _check_flags(data["first"], data["terminated"], data["truncated"])
     ended = data["terminated"] | data["truncated"]
-    if env_id.startswith(TIME_LIMIT_ONLY) or any(k in env_id for k in TIME_LIMIT_ONLY):
+    if any(k in env_id for k in TIME_LIMIT_ONLY):
         assert not data["terminated"].any()  # their episodes end only at the time limit
     if env_kwargs.get("max_steps", 99) < T or env_id.endswith("coin_game"):
         assert ended.any()  # the short episodes ended inside the region
@@ -231,7 +231,7 @@ def test_env_kwargs_reach_the_env_and_bad_ones_are_one_line():
     assert envs.spec_of("jaxmarl:overcooked", layout="coord_ring").obs_dim != envs.spec_of("jaxmarl:overcooked").obs_dim
     for env_id, kwargs, words in [
         ("jaxmarl:hanabi", {"num_agentz": 3}, ["unknown env kwarg(s) num_agentz", "num_agents"]),
-        ("jaxmarl:hanabi", {"num_agents": 9}, ["bad env kwarg value"]),
+        ("jaxmarl:hanabi", {"num_agents": 9}, ["jaxmarl:hanabi: bad env kwarg ("]),
         ("jaxmarl:overcooked", {"layout": "no_room"}, ["unknown layout 'no_room'", "cramped_room"]),
         ("jaxmarl:SMAX", {"scenario": "4m"}, ["unknown scenario '4m'", "3m"]),
         ("smax:3m", {"scenario": "8m"}, ["the id names the scenario"]),
