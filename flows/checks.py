@@ -170,6 +170,30 @@ def check_env(config):
     return spec
 
 
+def tls_security(tls, address: str | None):
+    """The TLS security of `--tls [DIR]` (True: the user's config dir), or None without it;
+    a TLS scheduler without --tls, or --tls with a plain one, is refused in one line."""
+    from pipelines import cluster
+
+    scheme = str(address).split("://")[0] if address and "://" in str(address) else "tcp"
+    if not tls:
+        if scheme == "tls":
+            raise InputError(f"scheduler {address} speaks TLS; add --tls [DIR] with the directory of its "
+                             f"certificates (ca.pem, cert.pem, key.pem; default {cluster.default_tls_dir()})")
+        return None
+    if address and scheme != "tls":
+        raise InputError(f"--tls needs a tls:// scheduler and {address} is {scheme}://; start the scheduler "
+                         "with TLS (dask scheduler --protocol tls --tls-ca-file ... --tls-cert ... --tls-key ...) "
+                         "or leave out --scheduler for a local TLS cluster")
+    directory = None if tls is True else str(tls)
+    if directory is not None:
+        check_writable_path(directory, "--tls", directory=True)
+    try:
+        return cluster.tls_security(directory)
+    except (ValueError, OSError) as e:
+        raise InputError(one_line(e)) from None
+
+
 def check_run(config, scheduler_address=None, n_workers=2) -> None:
     """Everything about a training run that can be checked before a cluster starts or
     anything is written: the cheap checks first."""

@@ -18,7 +18,7 @@ import sys
 
 # modules that add subcommands: each has add_commands(subparsers)
 COMMAND_MODULES = ("flows.replay_cli", "flows.stack", "flows.benchmark_cli", "flows.eval_cli",
-                   "flows.envs_cli", "flows.runs_cli")
+                   "flows.envs_cli")
 
 
 def _embedded_defaults(verbose: bool = False):
@@ -115,6 +115,7 @@ def cmd_train(args) -> int:
                                  n_collectors=args.collectors, seed=args.seed,
                                  run_dir=args.run_dir, overrides=overrides)
         checks.check_run(config, args.scheduler, n_workers)
+        checks.tls_security(args.tls, args.scheduler)
     except bad_input as e:
         return fail(e)
 
@@ -151,7 +152,7 @@ def cmd_train(args) -> int:
             result = train_flow.marl_train(
                 preset=args.preset, env=args.env, env_steps=args.env_steps, collectors=args.collectors,
                 seed=args.seed, seeds=args.seeds, run_dir=args.run_dir, overrides=overrides,
-                scheduler_address=args.scheduler, n_workers=n_workers, loggers=args.logger)
+                scheduler_address=args.scheduler, n_workers=n_workers, loggers=args.logger, tls=args.tls)
         except bad_input as e:  # found only where the run starts (e.g. the memory of its workers)
             progress.stop()
             return fail(e)
@@ -207,6 +208,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="override a run or algorithm setting, e.g. --set lr=0.001 (repeatable)")
     p.add_argument("--scheduler", help="address of a running Dask scheduler (default: a new local cluster)")
     p.add_argument("--workers", type=int, help="local cluster workers (default 2)")
+    p.add_argument("--tls", nargs="?", const=True, default=False, metavar="DIR",
+                   help="the cluster talks TLS only, with DIR's ca.pem, cert.pem and key.pem (default DIR: "
+                   "~/.config/marl/tls, self-signed ones made there when it has none)")
     p.add_argument("--logger", metavar="NAMES", help="where per-iteration metrics go: csv (default, "
                    "RUN_DIR/metrics.csv), tensorboard (RUN_DIR/tensorboard, needs the tensorboard extra), "
                    "comma-separated, e.g. --logger csv,tensorboard")

@@ -121,9 +121,11 @@ def marl_train(preset: str = "qmix-smac", env: str | None = None, env_steps: int
                collectors: int | None = None, seed: int | None = None, seeds: int | None = None,
                run_dir: str | None = None, overrides: dict[str, str] | None = None,
                scheduler_address: str | None = None, n_workers: int = 2,
-               loggers: list[str] | str | None = None) -> dict:
+               loggers: list[str] | str | None = None, tls: bool | str = False) -> dict:
     """Train `preset` (e.g. qmix-smac); resumes from the latest checkpoint in `run_dir`.
     `loggers`: "csv" (the default), "tensorboard" or both (flows/loggers.py), one row per iteration.
+    `tls`: True (certificates in the user's config dir, self-signed ones made there when
+    absent) or a directory of ca.pem, cert.pem and key.pem: the cluster talks TLS only.
 
     Every parameter is checked before a cluster starts or anything is written (ConfigError,
     EnvError or InputError, one line); an error inside a stage's task is a StageError."""
@@ -134,10 +136,12 @@ def marl_train(preset: str = "qmix-smac", env: str | None = None, env_steps: int
     config = make_run_config(preset, env_id=env, total_env_steps=env_steps, n_collectors=collectors,
                              seed=seed, run_dir=run_dir, overrides=overrides)
     checks.check_run(config, scheduler_address, n_workers)
+    security = checks.tls_security(tls, scheduler_address or os.environ.get(clusters.SCHEDULER_ENV))
     logger_names = metric_loggers.parse_loggers(loggers)
     logger = get_run_logger()
     cfg = config.to_dict()
-    with clusters.connect(scheduler_address, n_workers=n_workers) as client, stage_errors(config.run_dir):
+    with clusters.connect(scheduler_address, security=security, n_workers=n_workers) as client, \
+            stage_errors(config.run_dir):
         quiet_task_errors(client)
         dashboard = client.dashboard_link
         logger.info("Dask dashboard: %s", dashboard)

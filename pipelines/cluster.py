@@ -4,6 +4,9 @@
 - `dask_cuda.LocalCUDACluster` where GPUs are visible and dask-cuda is installed;
 - or any running scheduler, by address.
 
+With TLS (`tls_security`), the scheduler, workers and clients talk tls:// with certificates
+from `distributed.security.Security`, and a plain tcp:// client is refused.
+
 Workers carry resources so stages land where they belong: GPU workers offer `gpu`, CPU
 workers offer `cpu`. JAX collectors and the learner ask for `gpu` where any GPU worker
 exists; PettingZoo collectors always ask for `cpu`.
@@ -18,6 +21,7 @@ import tempfile
 
 import dask
 from distributed import Client, LocalCluster
+from distributed.security import Security
 
 HOST = "127.0.0.1"
 # a running scheduler that connect() uses when given no address (set by `marl stack up`)
@@ -80,11 +84,47 @@ def worker_environment() -> dict[str, str]:
 SCHEDULER_CONFIG = {"distributed.scheduler.work-stealing": False}
 
 
+TLS_FILES = ("ca.pem", "cert.pem", "key.pem")
+
+
+def default_tls_dir() -> str:
+    """Where TLS certificates live unless the user names a directory: the user's config dir."""
+    config = os.environ.get("XDG_CONFIG_HOME") or os.path.join(os.path.expanduser("~"), ".config")
+    return os.path.join(config, "marl", "tls")
+
+
+def tls_security(directory: str | None = None) -> Security:
+    """TLS for every role (scheduler, workers, clients), encryption required, from the
+    directory's ca.pem, cert.pem and key.pem: the user's own, or, where the directory has none
+    of them, a self-signed key and certificate that Security.temporary() makes, written there
+    (the key readable by its owner only) so every process of a cluster can load the same ones."""
+    directory = os.path.abspath(directory or default_tls_dir())
+    ca, cert, key = (os.path.join(directory, name) for name in TLS_FILES)
+    present = [os.path.exists(p) for p in (ca, cert, key)]
+    if not any(present):
+        made = Security.temporary()
+        os.makedirs(directory, mode=0o700, exist_ok=True)
+        for path, text in ((ca, made.tls_ca_file), (cert, made.tls_client_cert), (key, made.tls_client_key)):
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(fd, "w") as f:
+                f.write(text)
+    elif not all(present):
+        missing = [name for name, there in zip(TLS_FILES, present) if not there]
+        raise ValueError(f"TLS directory {directory} lacks {', '.join(missing)}; put all of "
+                         f"{', '.join(TLS_FILES)} there, or name an empty directory to make a self-signed set")
+    return Security(require_encryption=True, tls_ca_file=ca,
+                    tls_client_cert=cert, tls_client_key=key, tls_scheduler_cert=cert,
+                    tls_scheduler_key=key, tls_worker_cert=cert, tls_worker_key=key)
+
+
 def make_cluster(n_workers: int = 2, kind: str = "auto", dashboard_address: str = f"{HOST}:8787",
-                 threads_per_worker: int = 1, memory_limit: str | None = None):
-    """A local cluster of the requested kind: "auto" (CUDA where GPUs are visible), "cpu", "gpu"."""
+                 threads_per_worker: int = 1, memory_limit: str | None = None,
+                 security: Security | None = None):
+    """A local cluster of the requested kind: "auto" (CUDA where GPUs are visible), "cpu", "gpu";
+    with `security`, every connection is TLS."""
     if kind not in {"auto", "cpu", "gpu"}:
         raise ValueError(f"unknown cluster kind {kind!r}; use auto, cpu or gpu")
+    tls = {"security": security, "protocol": "tls://"} if security is not None else {}
     env = worker_environment()
     # A Dask worker puts its local directory first on sys.path and keeps a spill folder named
     # `storage` there; under an editable install (an import hook, no path entry) that empty
@@ -111,23 +151,25 @@ def make_cluster(n_workers: int = 2, kind: str = "auto", dashboard_address: str 
             else:
                 return LocalCUDACluster(host=HOST, dashboard_address=dashboard_address,
                                         threads_per_worker=threads_per_worker,
-                                        resources={"gpu": 1}, memory_limit=memory_limit)
+                                        resources={"gpu": 1}, memory_limit=memory_limit, **tls)
         return LocalCluster(n_workers=n_workers, threads_per_worker=threads_per_worker,
                             host=HOST, dashboard_address=dashboard_address, processes=True,
-                            resources={"cpu": 1}, memory_limit=memory_limit or "auto")
+                            resources={"cpu": 1}, memory_limit=memory_limit or "auto", **tls)
 
 
 @contextlib.contextmanager
-def connect(address: str | None = None, **cluster_kwargs):
+def connect(address: str | None = None, security: Security | None = None, **cluster_kwargs):
     """Yields a Client: to the scheduler at `address` (default: $MARL_DASK_SCHEDULER, which
-    `marl stack up` sets for its flow runs), or to a new local cluster closed after."""
+    `marl stack up` sets for its flow runs), or to a new local cluster closed after; with
+    `security`, over TLS."""
     address = address or os.environ.get(SCHEDULER_ENV) or None
     # generous: on a loaded 2-core machine the default 30 s connect timeout was seen to expire
     if address:
-        with Client(address, timeout=CONNECT_TIMEOUT) as client:
+        with Client(address, timeout=CONNECT_TIMEOUT, security=security) as client:
             yield client
         return
-    with make_cluster(**cluster_kwargs) as cluster, Client(cluster, timeout=CONNECT_TIMEOUT) as client:
+    with make_cluster(security=security, **cluster_kwargs) as cluster, \
+            Client(cluster, timeout=CONNECT_TIMEOUT, security=security) as client:
         yield client
 
 
