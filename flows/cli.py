@@ -18,7 +18,7 @@ import sys
 
 # modules that add subcommands: each has add_commands(subparsers)
 COMMAND_MODULES = ("flows.replay_cli", "flows.stack", "flows.benchmark_cli", "flows.eval_cli",
-                   "flows.envs_cli")
+                   "flows.envs_cli", "flows.runs_cli")
 
 
 def _embedded_defaults(verbose: bool = False):
