@@ -14,6 +14,7 @@ import logging
 import math
 import os
 import sys
+import warnings
 
 
 # modules that add subcommands: each has add_commands(subparsers)
@@ -32,6 +33,8 @@ def _embedded_defaults(verbose: bool = False):
     os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
     os.environ.setdefault("DASK_LOGGING__DISTRIBUTED", "warning")
     logging.getLogger("distributed").setLevel(logging.INFO if verbose else logging.WARNING)
+    if not verbose:  # Dask's note when another cluster holds the dashboard's port (it picks another)
+        warnings.filterwarnings("ignore", message=r"Port \d+ is already in use", category=UserWarning)
 
 
 class Parser(argparse.ArgumentParser):
