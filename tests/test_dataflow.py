@@ -123,6 +123,39 @@ def test_a_killed_collector_is_resubmitted_and_every_region_lands_once(tmp_path,
     assert store.total_regions_committed() == 32
 
 
+def test_a_killed_evaluator_mid_evaluation_is_resubmitted(tmp_path, three_workers):
+    client = three_workers
+    iterations = 12
+    config = make_run_config(TINY, run_dir=str(tmp_path / "evaluator"))
+    evaluator = Placement.on(client, config).evaluator
+    pid = client.run(os.getpid, workers=[evaluator])[evaluator]
+    outcome = {}
+
+    def train():
+        try:
+            outcome["result"] = run_dataflow(client, tmp_path / "evaluator", iterations * 512,
+                                             eval_every="1", eval_episodes="64")
+        except BaseException as error:  # reported below
+            outcome["error"] = error
+
+    thread = threading.Thread(target=train)
+    thread.start()
+    evaluating = lambda: any(str(key).startswith("evaluate") for key in
+                             client.processing(workers=[evaluator]).get(evaluator, ()))
+    deadline = time.time() + 300
+    while time.time() < deadline and thread.is_alive() and not evaluating():
+        time.sleep(0.02)
+    assert evaluating(), "no evaluation ran on the evaluator's worker"
+    os.kill(pid, signal.SIGKILL)
+    thread.join(timeout=300)
+    assert not thread.is_alive() and "error" not in outcome, outcome.get("error")
+    config, rows, _ = outcome["result"]
+    assert [r["iteration"] for r in rows] == list(range(1, iterations + 1))
+    assert all("test_win_rate" in r for r in rows)  # every evaluation, the killed one included
+    store = ReplayStore.open(config.store_path)
+    assert [r for r, _ in store.committed()] == list(range(iterations * 2))
+
+
 def test_a_killed_learner_moves_to_another_worker_and_the_run_completes(tmp_path, three_workers):
     # its tasks are pinned to its worker, so Dask alone would wait for it forever: the
     # learner moves to another worker from its last checkpoint and the run goes on
