@@ -9,7 +9,7 @@ cluster, Zarr replay, orbax checkpoints).
 Each (algorithm, map) trains in its own run dir under --run-root, for the map's env-step
 budget (the issue's targets: 3m 1M, 8m 2M, 2s3z 3M, 3s5z 6M; --budget-scale multiplies
 them), with a greedy evaluation of --eval-episodes fresh episodes per seed --evals times
-over the budget. A run stopped by --max-wall-s (or killed) resumes from its checkpoint
+over the budget; MAPPO's learning rate anneals to 0 over that budget. A run stopped by --max-wall-s (or killed) resumes from its checkpoint
 when the command is run again, so the table can be built over several sittings; the wall
 time of every sitting adds up, and each row says which machine it ran on.
 
@@ -32,6 +32,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import report  # noqa: E402  (bench/report.py)
 
 PRESETS = {"qmix": "qmix-smac", "mappo": "mappo-smax", "iql": "iql-smax", "vdn": "vdn-smax"}
+ANNEALED = ("mappo",)  # presets whose lr anneals over the run (anneal_lr_iterations)
 # env steps per map, and the win rate each must reach by then (mean over seeds)
 TARGETS = {"3m": (1_000_000, 0.9), "8m": (2_000_000, 0.9), "2s3z": (3_000_000, 0.9),
            "3s5z": (6_000_000, 0.8)}
@@ -68,9 +69,12 @@ def train(algo: str, scenario: str, args, overrides: dict) -> None:
     run_dir = run_dir_of(args.run_root, algo, scenario)
     preset = PRESETS[algo]
     n_iterations = make_run_config(preset, env_id=f"smax:{scenario}", total_env_steps=budget).n_iterations
+    schedule = {}
+    if algo in ANNEALED:  # the learning rate decays to 0 over exactly this map's budget
+        schedule["anneal_lr_iterations"] = str(n_iterations)
     overrides = {"eval_episodes": str(args.eval_episodes),
                  "eval_every": str(max(1, n_iterations // args.evals)),
-                 "max_wall_s": str(args.max_wall_s), **overrides}
+                 "max_wall_s": str(args.max_wall_s), **schedule, **overrides}
     log_path = os.path.join(run_dir, WALL_LOG)
     log = json.load(open(log_path)) if os.path.exists(log_path) else {"sittings": [], "rows": {}}
     before = sum(s["wall_s"] for s in log["sittings"])
