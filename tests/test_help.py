@@ -27,7 +27,7 @@ def help_text(args: list[str]) -> str:
 def subcommands(text: str) -> list[str]:
     """The choices of the usage line's `{a,b,c} ...` group, if the command has subcommands."""
     usage = text.split("\n\n", 1)[0]
-    group = re.search(r"\{([\w,-]+)\} \.\.\.", usage)  # a subparsers group, not an option's choices
+    group = re.search(r"\{([\w,-]+)\}\s+\.\.\.", usage)  # a subparsers group, not an option's choices
     return group.group(1).split(",") if group else []
 
 
