@@ -73,7 +73,8 @@ def play_episodes(run: SavedRun, episodes: int, seed_index: int = 0, max_steps: 
     act, init_carry = _greedy_act(run)
     key = jax.random.PRNGKey(run.config.seed + 30_000 + seed)
     env = run.parts.env
-    limit = max_steps or env.spec.episode_limit or 10_000
+    # a whole episode: the evaluator's horizon (jaxmarl's MPE runs max_steps + 1 steps)
+    limit = max_steps or (env.spec.episode_limit + 1 if env.spec.episode_limit else 10_000)
     if env.spec.backend == "jax":
         reset, step = jax.jit(env.reset), jax.jit(env.step)  # compiled once for every episode
         return [_play_jax(reset, step, params, act, init_carry, k, limit) for k in jax.random.split(key, episodes)]
