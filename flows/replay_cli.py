@@ -1,11 +1,13 @@
 """`marl replay ...`: inspect, summarise, reanalyse and export replay stores offline.
 
     marl replay info PATH                                   schema, env, dims, chunks, codecs, size
+    marl replay verify PATH [--drop-damaged]                checksums and chunks of every committed region
     marl replay episodes PATH [--by iteration|collector] [--csv OUT]
     marl replay reanalyze RUN_DIR [--checkpoint STEP] [--out PATH]
     marl replay export PATH --minari DATASET_ID [--out DIR]
 
-PATH is a replay store or a run dir holding one at <run_dir>/replay.
+PATH is a replay store or a run dir holding one at <run_dir>/replay. info, episodes and export
+check every committed region first (verify's checks): damage is one line on stderr, exit 1.
 """
 
 from __future__ import annotations
@@ -24,10 +26,21 @@ def _console():
 
 
 def _fail(message) -> int:
+    """One line on stderr; exit 1 for a damaged store, 2 for bad input."""
     from flows.checks import one_line
+    from storage import ReplayDamaged
 
     print(f"marl: {one_line(message)}", file=sys.stderr)
-    return 2
+    return 1 if isinstance(message, ReplayDamaged) else 2
+
+
+def _checked(path: str):
+    """The store at `path`, opened read-only once verify's checks pass (else ReplayDamaged)."""
+    from storage import ReplayStore
+
+    store = ReplayStore.open(path)
+    store.check()
+    return store
 
 
 def store_path(path: str) -> str:
@@ -124,7 +137,7 @@ def cmd_replay_info(args) -> int:
     if kind in ("reanalysis", "derived"):
         return _derived_info(path)
     try:
-        store = ReplayStore.open(path)
+        store = _checked(path)
         ds = open_replay(path)
     except StoreError as e:
         return _fail(e)
@@ -159,6 +172,58 @@ def cmd_replay_info(args) -> int:
     return 0
 
 
+def cmd_replay_verify(args) -> int:
+    from storage import ReplayDamaged, ReplayStore, StoreError
+
+    path = store_path(args.path)
+    remade = []
+    try:
+        try:
+            store = ReplayStore.open(path, mode="r")
+        except ReplayDamaged:
+            if not args.drop_damaged:
+                raise
+            remade = ReplayStore.remake_damaged_arrays(path)  # raises again if it cannot
+            store = ReplayStore.open(path, mode="r")
+        damage, counts = store.verify()
+    except StoreError as e:
+        return _fail(e)
+    for name in remade:
+        print(f"{name}: array metadata missing or damaged; remade empty, every region dropped")
+    by_array: dict[str, list] = {}
+    for d in damage:
+        by_array.setdefault(d.array, []).append(d)
+    for name, found in by_array.items():  # one line per damaged array
+        regions = sorted({d.region for d in found if d.region is not None})
+        files = "; ".join(f"{d.key} {d.problem}" for d in found[:3])
+        more = f"; and {len(found) - 3} more" if len(found) > 3 else ""
+        what = "commit marker" if name == "commits" else "region"
+        print(f"{name}: {what}{'s' if len(regions) > 1 else ''} {', '.join(map(str, regions)) or '?'} "
+              f"damaged ({files}{more})")
+    checked = (f"{counts['regions']} committed regions, {counts['chunks']} chunks checked"
+               + ("" if counts["checksums"] else " (a store made before checksums: chunks "
+                  "decoded instead; a missing field chunk may be a legitimate fill)"))
+    if not damage:
+        print(f"replay store at {os.path.abspath(path)}: {checked}, no damage")
+        return 0
+    regions = sorted({d.region for d in damage if d.region is not None and d.slot is not None})
+    if not args.drop_damaged:
+        return _fail(ReplayDamaged(
+            f"replay store at {path}: {len(regions)} of {counts['regions']} committed regions "
+            f"damaged; run `marl replay verify {args.path} --drop-damaged` to drop them from the "
+            f"commit log, then resume"))
+    try:
+        dropped = ReplayStore.open(path, mode="r+").drop_damaged(damage)
+    except StoreError as e:
+        return _fail(e)
+    markers = sum(d.slot is None for d in damage)
+    print(f"dropped {len(dropped)} damaged region(s) ({', '.join(map(str, dropped)) or 'none'}) from "
+          f"the commit log of {os.path.abspath(path)}"
+          + (f", rebuilt {markers} commit marker(s)" if markers else "")
+          + "; a resumed run trains on the regions left and collects new ones")
+    return 0
+
+
 def cmd_replay_episodes(args) -> int:
     from rich.table import Table
 
@@ -172,6 +237,7 @@ def cmd_replay_episodes(args) -> int:
         if args.csv:  # checked before the episodes are computed; never written into the store
             checks.check_writable_path(args.csv, "--csv", directory=False)
             checks.check_outside(args.csv, "--csv", {"replay store": path})
+        _checked(path)
         table = episodes(open_replay(path))
         summary = summarize(table, args.by)
     except (StoreError, checks.InputError) as e:
@@ -216,6 +282,7 @@ def cmd_replay_reanalyze(args) -> int:
     try:  # bad paths or steps fail here, before a Prefect server or a cluster starts
         job = reanalyze.plan(run_dir=args.run_dir, store=args.store, checkpoint_dir=args.checkpoints,
                              checkpoint=args.checkpoint, out=args.out)
+        _checked(job["store"])  # damage stops it here, before a cluster starts (and in the tasks)
         checks.check_writable_path(job["out"], "--out", directory=True)
         checks.check_outside(job["out"], "--out", {"replay store": job["store"],
                                                    "checkpoint dir": job["checkpoint_dir"]})
@@ -258,6 +325,7 @@ def cmd_replay_export(args) -> int:
         if args.out:  # a Minari root of its own, never inside the store it reads
             checks.check_writable_path(args.out, "--out", directory=True)
             checks.check_outside(args.out, "--out", {"replay store": path})
+        _checked(path)
         result = export_minari(path, args.minari, out_dir=args.out)
     except (StoreError, checks.InputError) as e:
         return _fail(e)
@@ -288,6 +356,16 @@ def add_commands(sub):
     info = rsub.add_parser("info", help="schema, env, dims, committed steps, chunking, compression, size")
     info.add_argument("path", help=where)
     info.set_defaults(fn=cmd_replay_info)
+
+    ver = rsub.add_parser("verify", help="check every committed region: chunks present, crc32c checksums, commit log",
+                          description="Reads every chunk of every committed region of every array and the "
+                          "commit log; names each damaged array and its regions on one line each. Exit 0 and "
+                          "a one-line summary when clean, 1 on damage.")
+    ver.add_argument("path", help=where)
+    ver.add_argument("--drop-damaged", action="store_true",
+                     help="drop the damaged regions from the commit log (and remake arrays whose metadata "
+                     "is lost, empty), so a resumed run can go on; says how many")
+    ver.set_defaults(fn=cmd_replay_verify)
 
     ep = rsub.add_parser("episodes", help="per-episode return, length and win, summarised by iteration or collector",
                          description="Episodes are computed region by region with dask (stores larger "

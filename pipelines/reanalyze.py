@@ -26,7 +26,7 @@ import numpy as np
 
 from marl import algos, envs, seeds
 from pipelines.config import RunConfig
-from storage import Checkpointer, Field, ReplayStore, StoreError
+from storage import Checkpointer, Field, ReplayDamaged, ReplayStore, StoreError
 from storage.derived import DerivedGroup
 
 _CACHE: dict = {}  # (store, checkpoint dir, step) -> (learner, train state), per worker
@@ -123,6 +123,8 @@ def score_region(job: dict, region_id: int) -> dict:
     store = ReplayStore.open(job["store"])
     try:
         region = store.read_region(region_id)
+    except ReplayDamaged:
+        raise  # never skipped: reanalysis stops with its one line (marl replay verify)
     except StoreError as e:
         return {"region": int(region_id), "written": False, "reason": str(e)}
     out = _score(job, region)

@@ -35,7 +35,7 @@ from marl.transition import store_fields
 from marl.learner import Learner
 from pipelines.config import RunConfig
 from pipelines.memory import check_fits, fit_replay, replay_memory
-from storage import Checkpointer, Field, ReplayStore, StoreError
+from storage import Checkpointer, Field, ReplayDamaged, ReplayStore, StoreError
 
 
 def as_config(config) -> RunConfig:
@@ -414,6 +414,8 @@ def _mirror(state: LearnerState, config: RunConfig, iteration: int, region_ids: 
             continue
         try:
             region = store.read_region(region_id)
+        except ReplayDamaged:
+            raise  # never skipped: the run stops with its one line (marl replay verify)
         except StoreError:
             if region_id in region_ids:
                 raise  # a region this call must train on is gone: the ring is too small

@@ -7,7 +7,7 @@ pipelines or flows); xarray, dask and orbax are imported lazily, on first use.
 
 from .checkpoints import Checkpointer
 from .derived import DerivedGroup, open_derived
-from .replay import SCHEMA_VERSION, Field, ReplayStore, StoreError, open_replay
+from .replay import SCHEMA_VERSION, Field, ReplayDamaged, ReplayStore, StoreError, open_replay
 
-__all__ = ["ReplayStore", "open_replay", "Checkpointer", "StoreError", "SCHEMA_VERSION", "Field",
+__all__ = ["ReplayStore", "open_replay", "Checkpointer", "StoreError", "ReplayDamaged", "SCHEMA_VERSION", "Field",
            "DerivedGroup", "open_derived"]

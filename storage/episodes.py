@@ -33,6 +33,9 @@ from .replay import ENV_DIM, STEP_DIM, StoreError, episode_starts
 
 COLUMNS = ("collector", "env", "region", "iteration", "param_version", "end_t", "return",
            "length", "won", "complete")
+_DTYPES = {"collector": "int64", "env": "int64", "region": "int64", "iteration": "int64",
+           "param_version": "int64", "end_t": "int64", "return": "float64", "length": "int64",
+           "won": "bool", "complete": "bool"}
 
 
 def _block_episodes(step_reward: np.ndarray, end: np.ndarray, first: np.ndarray | None,
@@ -105,8 +108,8 @@ def episodes(ds):
             raise StoreError(f"dataset has no {name!r} variable; episodes need reward, "
                              f"terminated and truncated")
     T, n_blocks, coords = _blocks(ds)
-    if n_blocks == 0:
-        return pd.DataFrame({c: [] for c in COLUMNS})
+    if n_blocks == 0:  # typed like a full table, so summarize() works on it
+        return pd.DataFrame({c: [] for c in COLUMNS}).astype(_DTYPES)
     N = ds.sizes[ENV_DIM]
     # a task per group of regions (~1M step x env cells, at most 64 regions): one task per
     # region costs more in dask overhead than in reading
@@ -155,10 +158,7 @@ def episodes(ds):
             np.where(has_start, True, c_known),
         )
     table = pd.DataFrame({c: np.concatenate(v) for c, v in rows.items()})
-    return table.astype({"collector": "int64", "env": "int64", "region": "int64",
-                         "iteration": "int64", "param_version": "int64", "end_t": "int64",
-                         "return": "float64", "length": "int64", "won": "bool",
-                         "complete": "bool"}).reset_index(drop=True)
+    return table.astype(_DTYPES).reset_index(drop=True)
 
 
 def summarize(table, by: str = "iteration"):

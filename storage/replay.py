@@ -9,8 +9,9 @@ Layout of one store (a Zarr v3 group at ``path``)::
                               T whose chunk holds at most CHUNK_BYTES: a region is T/t whole
                               chunks (one chunk for a CPU run's small regions), encoded and
                               written in parallel; dimension_names ("step", "env", *field.dims);
-                              codec zstd level 0 (chosen by bench/write_throughput.py), every
-                              chunk written (also one equal to the fill value)
+                              codecs zstd level 0 (chosen by bench/write_throughput.py) then
+                              crc32c (every array), every chunk written (also one equal to the
+                              fill value)
     region/ iteration/ collector/ param_version/
                               int64 (step,), chunk T, fill -1: who wrote each step
     commit/                   int64 (slot,), chunk 1, fill -1: region id committed in each slot
@@ -41,6 +42,15 @@ A reader trusts slot s for region r only if the slot's ``region`` coordinates al
 a committed region trained (trained_version[s] = v) only while the slot holds it and only
 once (first training wins), and re-checks the commit afterwards.
 
+Integrity: every chunk of every array ends in its crc32c checksum (the codec chain's last
+codec), and the group attribute ``every_chunk_written`` says that every chunk of a written
+slot is on disk, so a missing chunk of a committed region is damage, never the fill value.
+Reads that meet damage raise ReplayDamaged (one line naming the file, the array and the
+region, and `marl replay verify PATH --drop-damaged` as the fix); ``verify()`` checks every
+committed region, ``drop_damaged()`` uncommits the damaged ones. Stores made before checksums
+(no crc32c in an array's codecs, no every_chunk_written) read as before: their chunks are
+checked by decoding them, and a missing field chunk there may be a legitimate fill.
+
 Episodes: the bool fields ``terminated`` and ``truncated`` (of the transition schema) mark
 the step that ended an episode, ``first`` the step whose observation starts one (also after
 a collector restart, which resets its envs without an end).
@@ -49,13 +59,16 @@ a collector restart, which resets its envs without an end).
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import os
+import shutil
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
+import google_crc32c  # zarr's own crc32c codec uses it
 import numpy as np
 import zarr
 from zarr.core.sync import sync  # runs a coroutine on zarr's own event loop
@@ -72,7 +85,8 @@ TRAINED = "trained_version"
 HISTORY = "commits"
 _RESERVED_NAMES = frozenset(COORDS) | {COMMIT, TRAINED, HISTORY}
 _RESERVED_DIMS = frozenset({STEP_DIM, ENV_DIM, SLOT_DIM})
-_STORE_KEYS = ("schema_version", "n_envs", "steps_per_region", "n_slots", "fields")
+EVERY_CHUNK = "every_chunk_written"  # group attribute: a written slot has all its chunks on disk
+_STORE_KEYS = ("schema_version", "n_envs", "steps_per_region", "n_slots", "fields", EVERY_CHUNK)
 # Largest uncompressed chunk of a field. Smaller chunks let many cores encode one region at
 # once (a GPU run's regions are GBs); on 2 cores 16 MiB and whole-region chunks measured the
 # same and 1 MiB chunks at half the speed (per-chunk overhead), see bench/write_throughput.py.
@@ -81,7 +95,9 @@ CHUNK_BYTES = 16 * 2**20
 # cores as fast as blosc-lz4 with shuffle (5x) and zstd 1 (12x), faster than no compression
 # once the bytes must reach the disk; blosc-lz4 without shuffle wrote 1.5x faster but kept
 # 2.3x the bytes (bench/write_throughput.py, BENCHMARKS.md)
-CODEC = (zarr.codecs.ZstdCodec(level=0),)
+# then a crc32c checksum of the compressed bytes (4 bytes per chunk), checked on every read
+CHECKSUM = zarr.codecs.Crc32cCodec()
+CODEC = (zarr.codecs.ZstdCodec(level=0), CHECKSUM)
 # zarr's all-equal-to-fill scan of every chunk before writing it cost more than zstd itself;
 # and a committed region then has every chunk on disk
 _WRITE_CONFIG = {"write_empty_chunks": True}
@@ -89,6 +105,12 @@ _WRITE_CONFIG = {"write_empty_chunks": True}
 
 class StoreError(ValueError):
     """A replay store or checkpoint problem; the message names the problem and the fix."""
+
+
+class ReplayDamaged(StoreError):
+    """Stored data or metadata that fail their checks (a checksum, a missing chunk of a
+    committed region, unreadable metadata): one line naming the file and the fix. Readers
+    that skip regions overwritten meanwhile (a plain StoreError) must not skip this."""
 
 
 @dataclass(frozen=True)
@@ -235,6 +257,30 @@ class _DurableLocalStore(LocalStore):
         await asyncio.to_thread(_put_durable, self.root / key, value.as_buffer_like())
 
 
+def _crc_ok(data: bytes) -> bool:
+    """Whether a chunk file written with the crc32c codec last ends in its checksum."""
+    return len(data) >= 4 and google_crc32c.value(data[:-4]) == int.from_bytes(data[-4:], "little")
+
+
+class _CheckedLocalStore(LocalStore):
+    """A read-only LocalStore that checks each chunk's crc32c as it is read (open_replay's
+    lazy xarray reads): damage raises ReplayDamaged naming the file, not zarr's bare
+    checksum error. `checked`: the arrays whose chunks end in a checksum."""
+
+    def __init__(self, root, checked=frozenset()) -> None:
+        super().__init__(root, read_only=True)
+        self.checked = frozenset(checked)
+
+    async def get(self, key, prototype=None, byte_range=None):
+        buf = await super().get(key, prototype, byte_range)
+        name, _, rest = key.partition("/")
+        if buf is not None and byte_range is None and rest.startswith("c/") and name in self.checked \
+                and not _crc_ok(buf.to_bytes()):
+            raise ReplayDamaged(f"replay store at {self.root} is damaged: chunk {key} fails its crc32c "
+                                f"checksum (altered or cut short); {_fix(str(self.root))}")
+        return buf
+
+
 async def _gather(awaitables):
     # every write ends before an error is raised: a retry must not race a leftover write
     results = await asyncio.gather(*awaitables, return_exceptions=True)
@@ -254,6 +300,72 @@ def steps_per_chunk(steps_per_region: int, n_envs: int, field: "Field",
         if steps_per_region % t == 0 and t * step_bytes <= chunk_bytes:
             best = t
     return best
+
+
+@dataclass(frozen=True)
+class Damage:
+    """One damaged chunk or commit marker that ReplayStore.verify found."""
+
+    array: str  # the array (or "commits": a commit marker)
+    key: str  # the file, relative to the store
+    problem: str  # e.g. "is missing"
+    slot: int | None  # the ring slot it belongs to (None: a marker)
+    region: int | None  # the region the slot holds as far as can be told
+
+
+def _array_specs(fields: dict[str, "Field"], n_envs: int, T: int, n_slots: int,
+                 chunk_bytes: int = CHUNK_BYTES, compressors=None) -> dict[str, dict]:
+    """name -> zarr create_array keywords of every array of a store (create, remake)."""
+    compressors = CODEC if compressors is None else tuple(compressors)
+    if not compressors or not isinstance(compressors[-1], zarr.codecs.Crc32cCodec):
+        compressors = (*compressors, CHECKSUM)  # every chunk carries its checksum
+    specs = {}
+    for name, f in fields.items():
+        specs[name] = dict(
+            shape=(n_slots * T, n_envs, *f.shape),
+            chunks=(steps_per_chunk(T, n_envs, f, chunk_bytes), n_envs, *f.shape),
+            dtype=f.dtype,
+            compressors=compressors,
+            fill_value=False if f.dtype == "bool" else 0,
+            dimension_names=(STEP_DIM, ENV_DIM, *f.dims),
+        )
+    for name in COORDS:
+        specs[name] = dict(shape=(n_slots * T,), chunks=(T,), dtype="int64", compressors=CODEC,
+                           fill_value=-1, dimension_names=(STEP_DIM,))
+    per_slot = {
+        COMMIT: "region id committed in each ring slot; -1 = none",
+        TRAINED: "parameter version of the learner when it first trained on the region in "
+                 "each ring slot; -1 = not yet",
+    }
+    for name, description in per_slot.items():  # one chunk per slot: written independently
+        specs[name] = dict(shape=(n_slots,), chunks=(1,), dtype="int64", compressors=CODEC,
+                           fill_value=-1, dimension_names=(SLOT_DIM,),
+                           attributes={"description": description})
+    return specs
+
+
+def _fix(path: str) -> str:
+    return (f"run `marl replay verify {path} --drop-damaged` to drop the damaged regions from "
+            f"the commit log, then resume")
+
+
+def _array_or_damage(path: str, group: zarr.Group, name: str):
+    """The array `name` of the store's group, or the ReplayDamaged that says why not."""
+    meta = os.path.join(path, name, "zarr.json")
+    try:
+        node = group[name]
+    except KeyError:
+        node = None
+    except Exception as e:  # zarr raises JSON, key and value errors for a damaged file
+        return ReplayDamaged(f"replay store metadata {meta} is damaged ({type(e).__name__}: {e}); "
+                             f"run `marl replay verify {path} --drop-damaged` to remake the array "
+                             f"empty and drop every region, or restore the file from a backup")
+    if isinstance(node, zarr.Array):
+        return node
+    what = "is damaged (not a Zarr array)" if os.path.isfile(meta) else f"is missing (no {meta})"
+    return ReplayDamaged(f"replay store at {path} is damaged: array {name!r} {what}; run `marl replay "
+                         f"verify {path} --drop-damaged` to remake it empty and drop every region, or "
+                         f"restore it from a backup")
 
 
 class ReplayStore:
@@ -279,18 +391,16 @@ class ReplayStore:
             ) from None
         self._arrays: dict[str, zarr.Array] = {}
         for name in (*self.fields, *COORDS, COMMIT, TRAINED):
-            try:
-                node = group[name]
-            except KeyError:
-                node = None
+            node = _array_or_damage(path, group, name)
             if not isinstance(node, zarr.Array):
-                raise StoreError(
-                    f"replay store at {path} is incomplete (no array {name!r}); it may be an "
-                    f"interrupted create, remove it or use a new path"
-                )
+                raise node
             self._arrays[name] = node.with_config(_WRITE_CONFIG) if mode == "r+" else node
         self._history_dir = os.path.join(path, HISTORY)
         self._durable = isinstance(group.store, _DurableLocalStore)
+        self._every_chunk = bool(self.attrs.get(EVERY_CHUNK))
+        # arrays whose chunks end in a crc32c checksum (all of them, in stores made since)
+        self._crc = {name: bool(a.compressors) and isinstance(a.compressors[-1], zarr.codecs.Crc32cCodec)
+                     for name, a in self._arrays.items()}
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -309,7 +419,8 @@ class ReplayStore:
     ) -> "ReplayStore":
         """A new, empty store at `path` (a new or empty directory). Each field's chunks hold
         at most `chunk_bytes` (see steps_per_chunk) and are compressed with `compressors`
-        (zarr codecs; default CODEC); `durable` as in open()."""
+        (zarr codecs; default CODEC; a crc32c checksum is always the last one); `durable`
+        as in open()."""
         path = os.fspath(path)
         n_envs = _positive_int(n_envs, "n_envs")
         chunk_bytes = _positive_int(chunk_bytes, "chunk_bytes")
@@ -355,40 +466,8 @@ class ReplayStore:
                 )
 
         group = zarr.open_group(path, mode="w-", zarr_format=3)
-        for name, f in fields.items():
-            group.create_array(
-                name,
-                shape=(n_slots * T, n_envs, *f.shape),
-                chunks=(steps_per_chunk(T, n_envs, f, chunk_bytes), n_envs, *f.shape),
-                dtype=f.dtype,
-                compressors=CODEC if compressors is None else compressors,
-                fill_value=False if f.dtype == "bool" else 0,
-                dimension_names=(STEP_DIM, ENV_DIM, *f.dims),
-            )
-        for name in COORDS:
-            group.create_array(
-                name,
-                shape=(n_slots * T,),
-                chunks=(T,),
-                dtype="int64",
-                fill_value=-1,
-                dimension_names=(STEP_DIM,),
-            )
-        per_slot = {
-            COMMIT: "region id committed in each ring slot; -1 = none",
-            TRAINED: "parameter version of the learner when it first trained on the region in "
-                     "each ring slot; -1 = not yet",
-        }
-        for name, description in per_slot.items():  # one chunk per slot: written independently
-            group.create_array(
-                name,
-                shape=(n_slots,),
-                chunks=(1,),
-                dtype="int64",
-                fill_value=-1,
-                dimension_names=(SLOT_DIM,),
-                attributes={"description": description},
-            )
+        for name, spec in _array_specs(fields, n_envs, T, n_slots, chunk_bytes, compressors).items():
+            group.create_array(name, **spec)
         group.create_group(
             HISTORY,
             attributes={"description": "one marker file per committed region id (append-only)"},
@@ -403,6 +482,7 @@ class ReplayStore:
                 "steps_per_region": T,
                 "n_slots": n_slots,
                 "fields": {name: f.to_json() for name, f in fields.items()},
+                EVERY_CHUNK: True,
             }
         )
         return cls(path, _open_group(path, "r+", durable), "r+")
@@ -413,6 +493,11 @@ class ReplayStore:
         default) fsyncs every file it writes before the next protocol step (see the module
         docstring); durable=False leaves that to the OS."""
         path = os.fspath(path)
+        return cls(path, cls._checked_group(path, mode, durable), mode)
+
+    @staticmethod
+    def _checked_group(path: str, mode: str, durable: bool) -> zarr.Group:
+        """The store's Zarr group once its own metadata is a replay store's (open())."""
         if mode not in ("r", "r+"):
             raise StoreError(f"mode must be 'r' or 'r+', got {mode!r}")
         if not os.path.isdir(path):
@@ -425,6 +510,17 @@ class ReplayStore:
                 f"{path} is not a replay store (no zarr.json); check the path or make one with "
                 f"ReplayStore.create"
             )
+        meta = os.path.join(path, "zarr.json")
+        try:
+            with open(meta, "rb") as fh:
+                json.load(fh)
+        except ValueError as e:  # not JSON (also not UTF-8): the file was altered or cut short
+            raise ReplayDamaged(
+                f"replay store metadata {meta} is damaged (not JSON: {e}); restore the file from "
+                f"a backup, or start a new run dir (the store cannot be read without it)"
+            ) from None
+        except OSError as e:
+            raise StoreError(f"cannot read {meta} ({e.strerror}); check its permissions") from None
         try:
             group = _open_group(path, mode, durable)
         except Exception as e:  # zarr raises several kinds for "not a v3 group"
@@ -443,7 +539,7 @@ class ReplayStore:
                 f"replay store at {path} has schema_version {version}, this code reads "
                 f"{SCHEMA_VERSION}; use the matching code version or a new run dir"
             )
-        return cls(path, group, mode)
+        return group
 
     @classmethod
     def open_or_create(cls, path, **create_kwargs) -> "ReplayStore":
@@ -606,8 +702,14 @@ class ReplayStore:
         }
         arrays = self._validate(region_id, data)
         slot = self.slot_of(region_id)
-        held = max(int(v) for v in sync(_gather([self._arrays[COMMIT].async_array.getitem(slot),
-            self._arrays["region"].async_array.getitem(slot * self.steps_per_region)])))
+        try:
+            held = max(int(v) for v in sync(_gather([self._arrays[COMMIT].async_array.getitem(slot),
+                self._arrays["region"].async_array.getitem(slot * self.steps_per_region)])))
+        except Exception:
+            problems = self._slot_problems(slot, [COMMIT, "region"])
+            if problems:  # refuse to guess what the slot held: a damaged store stops the run
+                raise self._damaged(problems, slot) from None
+            raise
         if held > region_id:
             raise StoreError(
                 f"region {region_id} maps to slot {slot}, which already holds newer region {held}; "
@@ -618,24 +720,238 @@ class ReplayStore:
         self._commit(slot, region_id, values)
         return slot
 
+    # ------------------------------------------------------------------ integrity
+    def _selection(self, name: str, slot: int):
+        return slot if name in (COMMIT, TRAINED) else self._steps(slot)
+
+    def _chunk_keys(self, name: str, slot: int) -> list[str]:
+        """Store keys (paths under the store) of array `name`'s chunks that hold ring slot `slot`."""
+        array = self._arrays[name]
+        if name in (COMMIT, TRAINED):
+            first, stop = slot, slot + 1
+        else:
+            t, T = array.chunks[0], self.steps_per_region
+            first, stop = slot * T // t, -(-(slot + 1) * T // t)
+        rest = itertools.product(*(range(n) for n in array.cdata_shape[1:]))
+        return [f"{name}/{array.metadata.encode_chunk_key((i, *idx))}"
+                for idx in rest for i in range(first, stop)]
+
+    def _required(self, name: str) -> bool:
+        """Whether every chunk of `name` must be on disk for a committed slot: always for the
+        coordinates and the commit (never equal to their fill value -1 there), and for every
+        array in stores made since every chunk is written."""
+        return self._every_chunk or name in COORDS or name == COMMIT
+
+    def _chunk_problem(self, name: str, key: str) -> str | None:
+        """What is wrong with one chunk file of a committed slot, None if nothing is."""
+        try:
+            with open(os.path.join(self.path, key), "rb") as fh:
+                data = fh.read()
+        except FileNotFoundError:
+            return "is missing" if self._required(name) else None
+        if self._crc[name] and not _crc_ok(data):
+            return "fails its crc32c checksum (altered or cut short)"
+        return None
+
+    def _slot_problems(self, slot: int, names) -> list[tuple[str, str, str]]:
+        """[(array, chunk key, problem)] of the chunks of `names` that hold `slot`. Arrays
+        without checksums (stores made before them) are checked by decoding them."""
+        out = []
+        for name in names:
+            keys = self._chunk_keys(name, slot)
+            out += [(name, k, p) for k in keys if (p := self._chunk_problem(name, k))]
+            if not self._crc[name] and not any(n == name for n, _, _ in out):
+                try:
+                    self._arrays[name][self._selection(name, slot)]
+                except Exception as e:
+                    out.append((name, keys[0], f"cannot be decoded ({type(e).__name__}: {e})"))
+        return out
+
+    def _region_in(self, slot: int) -> int | None:
+        """The region id slot `slot` holds as far as the commit log or the coordinates can
+        still tell (for messages), else None."""
+        for name, sel in ((COMMIT, slot), ("region", slot * self.steps_per_region)):
+            try:
+                r = int(self._arrays[name][sel])
+            except Exception:
+                continue
+            if r >= 0:
+                return r
+        return None
+
+    def _damaged(self, problems: list[tuple[str, str, str]], slot: int) -> ReplayDamaged:
+        name, key, problem = problems[0]
+        region = self._region_in(slot)
+        what = f"region {region} (ring slot {slot})" if region is not None else f"ring slot {slot}"
+        more = f" (and {len(problems) - 1} more damaged chunk(s))" if len(problems) > 1 else ""
+        return ReplayDamaged(f"replay store at {self.path} is damaged: {what}: chunk {key} "
+                             f"{problem}{more}; {_fix(self.path)}")
+
+    def _get(self, name: str, sel, slots):
+        """array[sel], where a chunk that fails to decode raises ReplayDamaged naming it."""
+        try:
+            return self._arrays[name][sel]
+        except Exception:
+            for slot in slots:
+                problems = self._slot_problems(slot, [name])
+                if problems:
+                    raise self._damaged(problems, slot) from None
+            raise
+
+    def _require_chunks(self, slot: int, names) -> None:
+        """Raises ReplayDamaged if a chunk of `names` holding committed `slot` is not on disk
+        (zarr would read it as the fill value)."""
+        if not self._every_chunk:
+            return  # an older store: an absent chunk may be a legitimate fill
+        missing = [(name, key, "is missing") for name in names for key in self._chunk_keys(name, slot)
+                   if not os.path.exists(os.path.join(self.path, key))]
+        if missing:
+            raise self._damaged(missing, slot)
+
+    def verify(self) -> tuple[list["Damage"], dict]:
+        """Checks every committed region of every array and the commit log: each chunk of a
+        committed slot is on disk and passes its checksum, the slot's coordinates name the
+        committed region, every commit marker is JSON. Returns the damage found (one entry
+        per damaged chunk or marker) and counts {"regions", "chunks", "checksums"}. Reads
+        only; run it while no writer is busy for exact answers (an overwrite in flight may
+        show as damage of that slot)."""
+        damage: list[Damage] = []
+        regions = chunks = 0
+        names = [*self.fields, *COORDS, TRAINED]
+        for slot in range(self.n_slots):
+            commit_key = self._chunk_keys(COMMIT, slot)[0]
+            has_commit = os.path.exists(os.path.join(self.path, commit_key))
+            problems = self._slot_problems(slot, [COMMIT]) if has_commit else []
+            region = None if problems else int(self._arrays[COMMIT][slot])
+            if region is not None and region < 0:  # not committed: nothing there is promised,
+                # unless its commit chunk is gone: a written slot always has one (step 1 of
+                # the protocol), so coordinates without it are a lost commit entry
+                if has_commit or not self._every_chunk or self._slot_problems(slot, ["region"]):
+                    continue
+                held = self._arrays["region"][self._steps(slot)]
+                if not bool(np.all((held >= 0) & (held % self.n_slots == slot))):
+                    continue
+                problems, region = [(COMMIT, commit_key, "is missing")], int(held[0])
+            elif region is None:  # the commit chunk itself is damaged
+                region = self._region_in(slot)
+            else:
+                problems = self._slot_problems(slot, names)
+                if not any(n == "region" for n, _, _ in problems):
+                    held = self._arrays["region"][self._steps(slot)]
+                    if not bool(np.all(held == region)):
+                        problems.append(("region", self._chunk_keys("region", slot)[0],
+                                         f"says region {int(held.max())}, the commit log region {region}"))
+            regions += 1
+            chunks += sum(len(self._chunk_keys(n, slot)) for n in (*names, COMMIT))
+            damage += [Damage(name, key, problem, slot, region) for name, key, problem in problems]
+        for name in sorted(os.listdir(self._history_dir)) if os.path.isdir(self._history_dir) else ():
+            if not name.isdigit():
+                continue
+            key = f"{HISTORY}/{name}"
+            try:
+                with open(os.path.join(self.path, key), "rb") as fh:
+                    ok = json.loads(fh.read()).get("region") == int(name)
+            except (ValueError, AttributeError):
+                ok = False
+            if not ok:
+                damage.append(Damage(HISTORY, key, "is not the JSON marker of its region", None, int(name)))
+        checksums = all(self._crc.values())
+        return damage, {"regions": regions, "chunks": chunks, "checksums": checksums,
+                        "every_chunk_written": self._every_chunk}
+
+    def check(self) -> dict:
+        """verify(), raising ReplayDamaged (one line: how many regions, the first damaged
+        file, the fix) if anything is damaged; else returns verify's counts."""
+        damage, counts = self.verify()
+        if damage:
+            regions = sorted({d.region for d in damage if d.slot is not None and d.region is not None})
+            first = damage[0]
+            raise ReplayDamaged(
+                f"replay store at {self.path} is damaged: {len(regions)} region(s) "
+                f"({_fmt_regions(regions)}), {len(damage)} file(s), first {first.key} {first.problem}; "
+                f"{_fix(self.path)}")
+        return counts
+
+    def drop_damaged(self, damage: list["Damage"]) -> list[int]:
+        """Uncommits every ring slot that `damage` (from verify) names, rewriting its commit
+        and trained_version chunks, and rewrites damaged commit markers (history only: the
+        region still counts as written once). Returns the region ids dropped (-1 where the
+        slot's region could not be told). Run it while no run uses the store."""
+        self._require_writable()
+        slots = {}
+        for d in damage:
+            if d.slot is not None:
+                slots[d.slot] = d.region if d.region is not None else -1
+        for slot in sorted(slots):
+            self._mark_uncommitted(slot)
+        for d in damage:
+            if d.array == HISTORY:
+                marker = json.dumps({"region": d.region, "slot": self.slot_of(d.region),
+                                     "rebuilt": "the original marker was damaged"}).encode()
+                _put_durable(Path(self.path) / d.key, marker)
+        return sorted(slots.values())
+
+    @classmethod
+    def remake_damaged_arrays(cls, path) -> list[str]:
+        """Remakes, empty, every array whose metadata is missing or damaged (from the group's
+        attributes) and uncommits every slot: the store then opens, holds no region, and a
+        resumed run refills it. Returns the arrays remade. Group metadata cannot be remade."""
+        path = os.fspath(path)
+        group = cls._checked_group(path, "r+", True)  # raises for damaged group metadata
+        attrs = dict(group.attrs)
+        fields = {name: Field.from_json(f) for name, f in attrs["fields"].items()}
+        T, n_envs, n_slots = int(attrs["steps_per_region"]), int(attrs["n_envs"]), int(attrs["n_slots"])
+        specs = _array_specs(fields, n_envs, T, n_slots)
+        broken = [name for name in specs if not isinstance(_array_or_damage(path, group, name), zarr.Array)]
+        for name in broken:
+            shutil.rmtree(os.path.join(path, name), ignore_errors=True)
+            group.create_array(name, **specs[name])
+        if broken:
+            store = cls(path, _open_group(path, "r+", True), "r+")
+            store._set_all({COMMIT: (slice(None), -1), TRAINED: (slice(None), -1)})
+        return broken
+
     # ------------------------------------------------------------------ reading
     def _slot_holds(self, slot: int, region_id: int) -> bool:
         # Coordinates first, then the commit: commit[slot] is reset before any data changes,
         # so seeing it == region_id after the coordinates means the slot was complete then.
-        coords = self._arrays["region"][self._steps(slot)]
+        coords = self._get("region", self._steps(slot), [slot])
         if not bool(np.all(coords == region_id)):
+            if int(self._get(COMMIT, slot, [slot])) == region_id:
+                self._check_coords(slot, region_id)  # damage, or a writer that just finished
             return False
-        return int(self._arrays[COMMIT][slot]) == region_id
+        return int(self._get(COMMIT, slot, [slot])) == region_id
+
+    def _check_coords(self, slot: int, region_id: int) -> None:
+        """The commit log says `slot` holds `region_id` but its coordinates did not: raises
+        ReplayDamaged unless a writer changed the slot meanwhile. The commit is reset before
+        any coordinate changes, so commit, coordinates, commit all read the same region id
+        unless the coordinate chunk is damaged."""
+        coords = self._get("region", self._steps(slot), [slot])
+        if bool(np.all(coords == region_id)) or int(self._get(COMMIT, slot, [slot])) != region_id:
+            return
+        problems = self._slot_problems(slot, ["region"]) or [
+            ("region", self._chunk_keys("region", slot)[0],
+             f"says region {int(coords.max())}, the commit log region {region_id}")]
+        raise self._damaged(problems, slot)
 
     def committed(self) -> list[tuple[int, int]]:
         """Sorted [(region_id, slot)] of regions that are readable now."""
-        coords = self._arrays["region"][:].reshape(self.n_slots, self.steps_per_region)
-        commit = self._arrays[COMMIT][:]
+        slots = range(self.n_slots)
+        coords = self._get("region", slice(None), slots).reshape(self.n_slots, self.steps_per_region)
+        commit = self._get(COMMIT, slice(None), slots)
         out = []
-        for slot in range(self.n_slots):
+        for slot in slots:
             r = int(commit[slot])
-            if r >= 0 and r % self.n_slots == slot and bool(np.all(coords[slot] == r)):
-                out.append((r, slot))
+            if r >= 0 and r % self.n_slots == slot:
+                if bool(np.all(coords[slot] == r)):
+                    out.append((r, slot))
+                else:
+                    self._check_coords(slot, r)
+            elif r < 0 and self._every_chunk and bool(np.all((coords[slot] >= 0) & (coords[slot] % self.n_slots == slot))):
+                # a written slot always has its commit chunk (step 1 of the protocol): one
+                # that is gone lost the slot's commit entry
+                self._require_chunks(slot, [COMMIT])
         out.sort()
         return out
 
@@ -652,7 +968,7 @@ class ReplayStore:
         region_id = _index(region_id, "region_id")
         version = _index(version, "version")
         slot = self.slot_of(region_id)
-        if not self._slot_holds(slot, region_id) or int(self._arrays[TRAINED][slot]) != -1:
+        if not self._slot_holds(slot, region_id) or int(self._get(TRAINED, slot, [slot])) != -1:
             return False
         self._arrays[TRAINED][slot] = version
         if int(self._arrays[COMMIT][slot]) != region_id:
@@ -664,7 +980,7 @@ class ReplayStore:
     def trained_versions(self) -> dict[int, int]:
         """{region id: version of its first training} of the committed regions that a
         learner has trained on."""
-        trained = self._arrays[TRAINED][:]
+        trained = self._get(TRAINED, slice(None), range(self.n_slots))
         return {r: int(trained[s]) for r, s in self.committed() if trained[s] >= 0}
 
     def total_regions_committed(self) -> int:
@@ -685,8 +1001,10 @@ class ReplayStore:
                 f"(committed: {_fmt_regions(have)}); read one of committed()"
             )
         steps = self._steps(slot)
-        out = {name: self._arrays[name][steps] for name in self.fields}
-        if int(self._arrays[COMMIT][slot]) != region_id:
+        out = {name: self._get(name, steps, [slot]) for name in self.fields}
+        if int(self._get(COMMIT, slot, [slot])) == region_id:
+            self._require_chunks(slot, self.fields)  # never the fill value for a lost chunk
+        if int(self._get(COMMIT, slot, [slot])) != region_id:
             raise StoreError(
                 f"region {region_id} was overwritten while it was being read from {self.path}; "
                 f"read a newer region from committed()"
@@ -729,6 +1047,8 @@ class ReplayStore:
                     envs = env[sel, None]
                     for name in self.fields:
                         out[name][sel] = data[name][steps, envs]
+            except ReplayDamaged:
+                raise
             except StoreError:
                 continue  # a sampled region was overwritten meanwhile: draw again
             return out
@@ -764,6 +1084,8 @@ class ReplayStore:
         for k in rng.permutation(len(com)):
             try:
                 data = self.read_region(com[k][0])
+            except ReplayDamaged:
+                raise
             except StoreError:
                 continue  # overwritten since committed(): skip it
             end = data["terminated"] | data["truncated"]
@@ -811,15 +1133,16 @@ def open_replay(path):
     import xarray as xr
 
     com = store.committed()
-    trained = store._arrays[TRAINED][:]
+    trained = store._get(TRAINED, slice(None), range(store.n_slots))
+    for _, slot in com:  # zarr would read a lost chunk as the fill value; checksums are
+        store._require_chunks(slot, store.fields)  # checked as the data are read
     T = store.steps_per_region
     if com:
         idx = np.concatenate([np.arange(s * T, (s + 1) * T) for _, s in com])
     else:
         idx = np.zeros(0, dtype=np.int64)
-    ds = xr.open_zarr(
-        store.path, consolidated=False, zarr_format=3, use_zarr_fill_value_as_mask=False
-    )
+    checked = _CheckedLocalStore(store.path, [name for name, crc in store._crc.items() if crc])
+    ds = xr.open_zarr(checked, consolidated=False, zarr_format=3, use_zarr_fill_value_as_mask=False)
     ds = ds.drop_vars([COMMIT, TRAINED]).set_coords(list(COORDS)).isel({STEP_DIM: idx})
     for name in COORDS:  # small: load so they describe exactly the snapshot taken above
         ds[name] = ds[name].load()
