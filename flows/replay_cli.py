@@ -87,8 +87,8 @@ def _arrays_table(path: str, names: list[str]):
         chunk_bytes = math.prod(array.chunks) * array.dtype.itemsize
         chunk_dir = os.path.join(path, name, "c")
         n_chunks = sum(len(fs) for _, _, fs in os.walk(chunk_dir))
-        # raw / compressed bytes of the chunks on disk; chunks equal to the fill value are
-        # not written at all (zarr's write_empty_chunks=False)
+        # raw / compressed bytes of the chunks on disk (stores made before every chunk was
+        # written lack those equal to the fill value)
         ratio = f"{n_chunks * chunk_bytes / _dir_size(chunk_dir):.1f}x" if n_chunks else "no chunks"
         codecs = [*array.filters, array.serializer, *array.compressors]
         table.add_row(name, str(array.dtype), ",".join(array.metadata.dimension_names or ()),
