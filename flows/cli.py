@@ -35,6 +35,9 @@ def _embedded_defaults(verbose: bool = False):
     logging.getLogger("distributed").setLevel(logging.INFO if verbose else logging.WARNING)
     if not verbose:  # Dask's note when another cluster holds the dashboard's port (it picks another)
         warnings.filterwarnings("ignore", message=r"Port \d+ is already in use", category=UserWarning)
+        # and its nanny's note when a worker takes over 4 s to exit as the local cluster closes
+        logging.getLogger("distributed.nanny").addFilter(
+            lambda record: not str(record.msg).startswith("Worker process still alive after"))
 
 
 class Parser(argparse.ArgumentParser):
