@@ -715,9 +715,16 @@ class ReplayStore:
                 f"region {region_id} maps to slot {slot}, which already holds newer region {held}; "
                 f"a stale task must not overwrite it (raise n_slots or keep fewer regions in flight)"
             )
-        self._mark_uncommitted(slot)
-        self._write_fields(slot, arrays, values)
-        self._commit(slot, region_id, values)
+        try:
+            self._mark_uncommitted(slot)
+            self._write_fields(slot, arrays, values)
+            self._commit(slot, region_id, values)
+        except OSError as e:  # a full disk, a read-only or unwritable run dir
+            raise StoreError(
+                f"cannot write region {region_id} to replay store at {self.path} "
+                f"({e.strerror or e}{': ' + str(e.filename) if e.filename else ''}); the regions "
+                f"committed before stay readable; free disk space or make it writable, then resume"
+            ) from e
         return slot
 
     # ------------------------------------------------------------------ integrity

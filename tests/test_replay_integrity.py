@@ -401,3 +401,52 @@ def test_a_resumed_run_stops_on_damage_in_one_line_and_goes_on_once_it_is_droppe
     assert [r for r, _ in store.committed()] == [1, 2, 3]
     assert sorted(store.trained_versions()) == [1, 2, 3]  # region 0 never trained on again
     assert cli("replay", "verify", run).returncode == 0
+
+
+# ------------------------------------------------------------ a full disk, a read-only run dir (item 4)
+
+
+@pytest.fixture
+def tiny_fs(tmp_path):
+    """A real 1 MiB tmpfs (needs root: mount); skipped where it cannot be made."""
+    where = tmp_path / "fs"
+    where.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(where)],
+                      capture_output=True).returncode != 0:
+        pytest.skip("cannot mount a tmpfs here (not root)")
+    try:
+        yield where
+    finally:
+        subprocess.run(["umount", "-l", str(where)], capture_output=True)
+
+
+def test_a_full_or_read_only_disk_stops_writes_in_one_line_and_keeps_what_is_committed(tiny_fs):
+    path = str(tiny_fs / "replay")
+    store = ReplayStore.create(path, fields=FIELDS, n_envs=64, steps_per_region=16, n_slots=64, attrs={})
+    rng = np.random.default_rng(0)
+    big = lambda r: {**region_data(r, 16, 64), "obs": rng.random((16, 64, 2, 3), dtype="float32")}  # noqa: E731
+    written = {}
+    with pytest.raises(StoreError) as full:
+        for r in range(64):  # random obs do not compress: 1 MiB fills within a few dozen regions
+            written[r] = big(r)
+            store.write_region(r, written[r], iteration=r, collector=0, param_version=r)
+    message = str(full.value)
+    assert "No space left on device" in message and "\n" not in message and "resume" in message, message
+    committed = [r for r, _ in ReplayStore.open(path).committed()]
+    assert committed == list(range(len(written) - 1)) and len(committed) > 2
+    reader = ReplayStore.open(path)
+    assert reader.verify()[0] == []
+    for r in committed:
+        np.testing.assert_array_equal(reader.read_region(r)["obs"], written[r]["obs"])
+    # read-only (as root, chmod would not stop a write): refused in one line, nothing changes
+    subprocess.run(["mount", "-o", "remount,ro,size=8m", str(tiny_fs)], check=True)
+    with pytest.raises(StoreError, match="Read-only file system"):
+        store.write_region(committed[0] + 64, written[0], iteration=99, collector=0, param_version=99)
+    assert [r for r, _ in ReplayStore.open(path).committed()] == committed
+    # space again: the next start goes on with the region that failed
+    subprocess.run(["mount", "-o", "remount,rw,size=8m", str(tiny_fs)], check=True)
+    failed = len(written) - 1
+    ReplayStore.open(path, mode="r+").write_region(failed, written[failed], iteration=failed, collector=0,
+                                                   param_version=failed)
+    assert [r for r, _ in ReplayStore.open(path).committed()] == [*committed, failed]
+    assert ReplayStore.open(path).verify()[0] == []
