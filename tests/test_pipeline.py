@@ -111,6 +111,46 @@ def test_flow_resumes_from_its_checkpoint(first_run, dask_cluster):
     assert result["history"][0]["total_updates"] == 5 * per_iteration
 
 
+def test_a_killed_marl_train_process_resumes_with_every_region_once(tmp_path, prefect_server, dask_cluster):
+    """SIGKILL to the whole `marl train` process group mid-run, then the same command again:
+    it resumes from the last checkpoint and ends with every region committed once and the
+    learner's update count exactly the regions' worth."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from prefect.settings import PREFECT_API_URL
+
+    from storage import Checkpointer
+
+    iterations = 16
+    config = make_run_config(TINY, run_dir=str(tmp_path / "killed"), total_env_steps=iterations * 512)
+    env = {**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value(), "PREFECT_HOME": str(tmp_path / "prefect")}
+    command = [os.path.join(os.path.dirname(sys.executable), "marl"), "train", TINY, "--run-dir", config.run_dir,
+               "--env-steps", str(iterations * 512), "--scheduler", dask_cluster.scheduler_address, "--quiet"]
+    first = subprocess.Popen(command, env=env, cwd=tmp_path, start_new_session=True,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    steps = lambda: [int(d) for d in os.listdir(config.checkpoint_dir) if d.isdigit()] \
+        if os.path.isdir(config.checkpoint_dir) else []
+    deadline = time.time() + 300
+    while first.poll() is None and time.time() < deadline and max(steps(), default=0) < 4:
+        time.sleep(0.05)
+    assert first.poll() is None, f"the run ended before it was killed: {first.stderr.read()}"
+    os.killpg(first.pid, signal.SIGKILL)
+    first.wait(timeout=60)
+    killed_at = max(steps())
+    assert 4 <= killed_at < iterations
+    done = subprocess.run(command, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0 and done.stderr == "", done.stderr
+    store = ReplayStore.open(config.store_path)
+    assert [r for r, _ in store.committed()] == list(range(iterations * 2))
+    with Checkpointer(config.checkpoint_dir) as checkpoints:
+        state, meta = checkpoints.restore()
+    per_iteration = 2 * make_run_config(TINY).algo_config().updates_per_region
+    assert int(meta["iteration"]) == iterations and int(state["updates"]) == iterations * per_iteration
+
+
 @pytest.mark.parametrize("kwargs, error, words", [
     (dict(env="smax:4m"), EnvError, "unknown env id 'smax:4m'"),
     (dict(preset="qmix-smax"), ConfigError, "unknown preset 'qmix-smax'"),
