@@ -147,7 +147,7 @@ def summarise(algo: str, scenario: str, points: list[dict]) -> dict:
             "wall_s": points[-1]["wall_s"]}
 
 
-def write_report(root: str, algos: list[str], maps: list[str]) -> None:
+def write_report(root: str) -> None:
     rows, curves = [], {}
     for algo in PRESETS:
         for scenario in TARGETS:
@@ -229,8 +229,9 @@ def main():
         for scenario in maps:
             for algo in algos:
                 train(algo, scenario, args, overrides)
-                write_report(args.run_root, algos, maps)
-    write_report(args.run_root, algos, maps)
+                write_report(args.run_root)  # after each run: a later sitting may never come
+    else:
+        write_report(args.run_root)
 
 
 if __name__ == "__main__":

@@ -108,12 +108,11 @@ class Watch:
 
     def check(self):
         self.checked = time.monotonic()
-        resume = f"run the same command again to resume {self.run_dir} from its last checkpoint"
+        resume = _resume(self.run_dir)
         try:
             workers = self.client.scheduler_info()["workers"]
         except Exception as e:  # the comm's own errors, whatever the transport
-            raise RunStopped(f"the Dask scheduler is unreachable ({type(e).__name__}: {e}); {resume} "
-                             "once it is back") from None
+            raise _unreachable(e, self.run_dir) from None
         info = workers.get(self.learner)
         if info is None:  # (with every other worker, maybe: then it is the likelier cause)
             lost, for_memory = self._lost()
@@ -143,6 +142,15 @@ class Watch:
         if self.last_seen:
             return f"the learner's worker {self.learner} was lost (last seen at {_memory(self.last_seen)})", False
         return f"the learner's worker {self.learner} was lost", False
+
+
+def _resume(run_dir: str) -> str:
+    return f"run the same command again to resume {run_dir} from its last checkpoint"
+
+
+def _unreachable(error: Exception, run_dir: str) -> RunStopped:
+    return RunStopped(f"the Dask scheduler is unreachable ({type(error).__name__}: {error}); "
+                      f"{_resume(run_dir)} once it is back")
 
 
 _LOWER = "lower buffer_transitions, n_seeds or replay_memory_fraction, or give workers more memory"
@@ -395,14 +403,12 @@ def _drain(client: Client, run_dir: str):
         try:
             running = client.run(stages.collects_running, run_dir, on_error="ignore")
         except Exception as e:  # the comm's own errors, whatever the transport
-            raise RunStopped(f"the Dask scheduler is unreachable ({type(e).__name__}: {e}); run the same "
-                             f"command again to resume {run_dir} once it is back") from None
+            raise _unreachable(e, run_dir) from None
         if not any(isinstance(n, int) and n for n in running.values()):
             return
         if time.monotonic() > deadline:
             raise RunStopped(f"region writes of {run_dir} still running after {DRAIN_S:.0f} s on "
-                             f"{', '.join(w for w, n in running.items() if n)}; run the same command "
-                             "again to resume from the last checkpoint")
+                             f"{', '.join(w for w, n in running.items() if n)}; {_resume(run_dir)}")
         time.sleep(0.2)
 
 
