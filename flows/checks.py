@@ -176,6 +176,8 @@ def tls_security(tls, address: str | None):
     from pipelines import cluster
 
     scheme = str(address).split("://")[0] if address and "://" in str(address) else "tcp"
+    if not tls and address and address == os.environ.get(cluster.SCHEDULER_ENV) and os.environ.get(cluster.TLS_ENV):
+        tls = os.environ[cluster.TLS_ENV]  # a flow run of `marl stack up --tls`: the stack's certificates
     if not tls:
         if scheme == "tls":
             raise InputError(f"scheduler {address} speaks TLS; add --tls [DIR] with the directory of its "

@@ -10,6 +10,13 @@ Each process runs in its own process group and is recorded (pid, start time, por
 <home>/stack.json. `up` again reuses every recorded process that is alive and answering and
 starts only what is missing; `down` stops exactly the recorded process groups (and flow-run
 processes that left them); `status` says what runs and exits 1 when something does not.
+
+`up --tls [DIR]`: the scheduler and workers speak tls:// only (encryption required), with
+DIR's ca.pem, cert.pem and key.pem, the same set as `marl train --tls DIR` (default
+~/.config/marl/tls, a self-signed set made there when it has none); the dashboard stays
+http on 127.0.0.1. The Prefect worker passes the directory to its flow runs
+(MARL_DASK_TLS), and `marl train PRESET --scheduler tls://... --tls DIR` connects; a
+client without the certificates is refused.
 """
 
 from __future__ import annotations
@@ -271,25 +278,38 @@ def _deploy_all(home: str, env: dict[str, str], api_url: str) -> list[str]:
     return names
 
 
+def _tls_flags(state: dict) -> list[str]:
+    """`dask scheduler/worker` flags for the stack's certificates ([] without --tls)."""
+    if not state.get("tls"):
+        return []
+    from pipelines.cluster import TLS_FILES
+
+    ca, cert, key = (os.path.join(state["tls"], name) for name in TLS_FILES)
+    return ["--tls-ca-file", ca, "--tls-cert", cert, "--tls-key", key]
+
+
 def _commands(name: str, home: str, state: dict, args, gpus: int) -> tuple[list[str], dict]:
     """The command line of a component and what its entry records besides pid and log."""
     py = sys.executable
     comps = state["components"]
+    tls = _tls_flags(state)
+    protocol = "tls" if tls else "tcp"
     if name == "prefect-server":
         url = f"http://{HOST}:{args.prefect_port}"
         return ([py, "-m", "prefect", "server", "start", "--host", HOST, "--port", str(args.prefect_port),
                  "--analytics-off"], {"port": args.prefect_port, "url": url, "api_url": f"{url}/api"})
     if name == "dask-scheduler":
         return ([py, "-m", "dask", "scheduler", "--host", HOST, "--port", str(args.scheduler_port),
-                 "--dashboard-address", f"{HOST}:{args.dashboard_port}"],
-                {"port": args.scheduler_port, "url": f"tcp://{HOST}:{args.scheduler_port}",
+                 "--protocol", protocol, *tls, "--dashboard-address", f"{HOST}:{args.dashboard_port}"],
+                {"port": args.scheduler_port, "url": f"{protocol}://{HOST}:{args.scheduler_port}",
                  "dashboard_port": args.dashboard_port,
                  "dashboard": f"http://{HOST}:{args.dashboard_port}/status"})
     if name == "dask-workers":
         # --dashboard-address: a worker serves /health and /metrics even without its dashboard,
         # by default on all interfaces
         common = [comps["dask-scheduler"]["url"], "--host", HOST, "--nthreads", "1", "--no-dashboard",
-                  "--dashboard-address", f"{HOST}:0", "--local-directory", os.path.join(home, "dask-workers")]
+                  "--dashboard-address", f"{HOST}:0", "--local-directory", os.path.join(home, "dask-workers"),
+                  *tls]  # with TLS: the protocol follows the scheduler's tls:// address
         if gpus:  # one worker per GPU, as pipelines.cluster.make_cluster gives local clusters
             return [py, "-m", "dask", "cuda", "worker", *common, "--resources", "gpu=1"], \
                 {"n_workers": gpus, "kind": "gpu", "url": f"{gpus} gpu workers"}
@@ -298,14 +318,17 @@ def _commands(name: str, home: str, state: dict, args, gpus: int) -> tuple[list[
     if name == "prefect-worker":
         return ([py, "-m", "prefect", "--no-prompt", "worker", "start", "--pool", POOL, "--type", "process",
                  "--name", WORKER_NAME],
-                {"name": WORKER_NAME, "url": f"pool {POOL}", "scheduler": comps["dask-scheduler"]["url"]})
+                {"name": WORKER_NAME, "url": f"pool {POOL}", "scheduler": comps["dask-scheduler"]["url"],
+                 "tls": state.get("tls")})
     raise ValueError(name)
 
 
 def _component_env(name: str, base: dict[str, str], state: dict) -> dict[str, str]:
-    from pipelines.cluster import SCHEDULER_CONFIG, SCHEDULER_ENV, worker_environment
+    from pipelines.cluster import SCHEDULER_CONFIG, SCHEDULER_ENV, TLS_ENV, worker_environment
 
     env = dict(base)
+    if state.get("tls") and name in ("dask-scheduler", "dask-workers"):  # no plain comm at all
+        env["DASK_DISTRIBUTED__COMM__REQUIRE_ENCRYPTION"] = "True"
     if name == "dask-scheduler":
         env.update({"DASK_" + key.upper().replace(".", "__").replace("-", "_"): str(value)
                     for key, value in SCHEDULER_CONFIG.items()})
@@ -313,6 +336,9 @@ def _component_env(name: str, base: dict[str, str], state: dict) -> dict[str, st
         env.update(worker_environment())  # JAX compile cache, quiet Prefect
     if name == "prefect-worker":  # inherited by every flow run this worker starts
         env[SCHEDULER_ENV] = state["components"]["dask-scheduler"]["url"]
+        env.pop(TLS_ENV, None)
+        if state.get("tls"):  # connect() in a flow run loads these certificates
+            env[TLS_ENV] = state["tls"]
     return env
 
 
@@ -340,10 +366,11 @@ def cmd_up(args) -> int:
         for name in COMPONENTS:  # every port that a start will need
             if _process(comps.get(name)) is None:
                 _check_ports_free(name, args)
+        tls = _check_tls(args, state, home)
         os.makedirs(os.path.join(home, "logs"), exist_ok=True)
         with open(os.path.join(home, ".gitignore"), "w") as f:  # a database and logs, not code
             f.write("*\n")
-        state.update(home=home, root=ROOT)
+        state.update(home=home, root=ROOT, tls=tls)
         # a shell without job control hands background jobs SIGINT=ignored, and exec keeps
         # that: Prefect (which turns SIGTERM into SIGINT) would then never stop
         if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
@@ -356,7 +383,8 @@ def cmd_up(args) -> int:
                 print(f"{'deployments':15s} {', '.join(names)} on work pool {POOL}")
             entry = comps.get(name)
             # a Prefect worker hands its flow runs the scheduler address it was started with
-            stale = name == "prefect-worker" and entry and entry.get("scheduler") != comps["dask-scheduler"]["url"]
+            stale = name == "prefect-worker" and entry and (entry.get("scheduler"), entry.get("tls")) != \
+                (comps["dask-scheduler"]["url"], tls)
             if _process(entry) and not stale and _answers(name, entry, state):
                 print(f"{name:15s} running   pid {entry['pid']:<7d} {entry.get('url', '')}  (reused)")
                 continue
@@ -384,6 +412,24 @@ def cmd_up(args) -> int:
         return 2
     _print_urls(state)
     return 0
+
+
+def _check_tls(args, state: dict, home: str) -> str | None:
+    """The certificate directory of `--tls [DIR]` (its set made if it has none), or None; a
+    running stack whose Dask processes were started otherwise is refused in one line."""
+    from flows.checks import InputError, tls_security
+
+    try:
+        security = tls_security(args.tls, None)
+    except InputError as e:
+        raise StackError(str(e)) from None
+    tls = os.path.dirname(security.tls_ca_file) if security else None
+    running = [n for n in ("dask-scheduler", "dask-workers") if _process(state.get("components", {}).get(n))]
+    if running and state.get("tls") != tls:
+        have = f"with --tls {state['tls']}" if state.get("tls") else "without TLS"
+        raise StackError(f"the stack in {home} runs its {' and '.join(running)} {have}; run "
+                         f"`marl stack down --home {home}` first, then `up` with the TLS you want")
+    return tls
 
 
 def _check_ports_free(name: str, args) -> None:
@@ -428,6 +474,9 @@ def _print_urls(state: dict) -> None:
     print(f"Prefect UI:      {urls['prefect_ui']}")
     print(f"Dask dashboard:  {urls['dask_dashboard']}")
     print(f"Dask scheduler:  {urls['dask_scheduler']}")
+    if state.get("tls"):
+        print(f"TLS:             certificates in {state['tls']}; marl train PRESET --scheduler "
+              f"{urls['dask_scheduler']} --tls {state['tls']}")
     print(f"state:           {_state_path(state['home'])}")
     print(f"use it:          export PREFECT_API_URL={urls['prefect_api']}; "
           "prefect deployment run marl-train/qmix-smac --watch")
@@ -512,6 +561,10 @@ def add_commands(sub) -> None:
     up.add_argument("--dashboard-port", type=int, default=8787, help="Dask dashboard port (default 8787)")
     up.add_argument("--workers", type=int, default=2,
                     help="Dask CPU worker processes (default 2; with GPUs: one worker per GPU)")
+    up.add_argument("--tls", nargs="?", const=True, default=False, metavar="DIR",
+                    help="Dask scheduler and workers speak TLS only, with DIR's ca.pem, cert.pem, key.pem "
+                    "(default ~/.config/marl/tls, self-signed ones made there when it has none); "
+                    "connect with marl train --scheduler tls://... --tls DIR")
     up.set_defaults(fn=cmd_up)
     down = with_home(ssub.add_parser(
         "down", help="stop every process the stack started",

@@ -27,6 +27,8 @@ from distributed.security import Security
 HOST = "127.0.0.1"
 # a running scheduler that connect() uses when given no address (set by `marl stack up`)
 SCHEDULER_ENV = "MARL_DASK_SCHEDULER"
+# the certificate directory for that scheduler when it speaks TLS (`marl stack up --tls`)
+TLS_ENV = "MARL_DASK_TLS"
 
 
 def gpu_count() -> int:
@@ -162,7 +164,9 @@ def make_cluster(n_workers: int = 2, kind: str = "auto", dashboard_address: str 
 def connect(address: str | None = None, security: Security | None = None, **cluster_kwargs):
     """Yields a Client: to the scheduler at `address` (default: $MARL_DASK_SCHEDULER, which
     `marl stack up` sets for its flow runs), or to a new local cluster closed after; with
-    `security`, over TLS."""
+    `security`, over TLS ($MARL_DASK_TLS's certificates for $MARL_DASK_SCHEDULER)."""
+    if not address and os.environ.get(SCHEDULER_ENV) and security is None and os.environ.get(TLS_ENV):
+        security = tls_security(os.environ[TLS_ENV])
     address = address or os.environ.get(SCHEDULER_ENV) or None
     # generous: on a loaded 2-core machine the default 30 s connect timeout was seen to expire
     if address:

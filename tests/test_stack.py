@@ -163,3 +163,85 @@ def test_down_stops_everything(stack):
     assert all(_port_free(port) for port in stack["ports"].values())
     status = _marl_stack("status", "--home", stack["home"], env=stack["env"], timeout=60)
     assert status.returncode == 1 and "down" in status.stdout
+
+
+def test_up_with_tls_serves_tls_only_and_marl_train_connects_with_the_certificates(tmp_path):
+    """`marl stack up --tls DIR` (a stack of its own): the scheduler and workers speak tls://
+    with DIR's self-signed set, every listener on 127.0.0.1 (the dashboard http there);
+    `marl train --scheduler tls://... --tls DIR` trains through it; a plain client, a tls://
+    client without the certificates and `marl train` without --tls are refused; flow runs of
+    its Prefect worker get the certificates (MARL_DASK_TLS), and connect() uses them."""
+    from distributed import Client
+
+    from pipelines.cluster import SCHEDULER_ENV, TLS_ENV, tls_security
+
+    home, tls, run = str(tmp_path / "home"), str(tmp_path / "tls"), str(tmp_path / "run")
+    ports = {"prefect": _free_port(), "scheduler": _free_port(), "dashboard": _free_port()}
+    env = {**os.environ, "PREFECT_WORKER_QUERY_SECONDS": "2"}
+    flags = ["--home", home, "--prefect-port", str(ports["prefect"]), "--scheduler-port",
+             str(ports["scheduler"]), "--dashboard-port", str(ports["dashboard"]), "--workers", "2"]
+    started = time.perf_counter()
+    up = _marl_stack("up", *flags, "--tls", tls, env=env)
+    print(f"marl stack up --tls: {time.perf_counter() - started:.1f} s")
+    try:
+        assert up.returncode == 0, up.stdout + up.stderr
+        address = f"tls://127.0.0.1:{ports['scheduler']}"
+        assert f"Dask scheduler:  {address}" in up.stdout
+        assert f"--scheduler {address} --tls {tls}" in up.stdout
+        assert sorted(os.listdir(tls)) == ["ca.pem", "cert.pem", "key.pem"]
+        with open(os.path.join(home, "stack.json")) as f:
+            state = json.load(f)
+        assert state["tls"] == tls
+        listeners = [c.laddr for p in _stack_processes(state) for c in p.net_connections(kind="inet")
+                     if c.status == psutil.CONN_LISTEN]
+        assert {a.ip for a in listeners} == {"127.0.0.1"}, listeners
+        # the Dask processes were started with the certificates and encryption required
+        for name in ("dask-scheduler", "dask-workers"):
+            proc = psutil.Process(state["components"][name]["pid"])
+            assert os.path.join(tls, "cert.pem") in proc.cmdline()
+            assert proc.environ()["DASK_DISTRIBUTED__COMM__REQUIRE_ENCRYPTION"] == "True"
+        worker_env = psutil.Process(state["components"]["prefect-worker"]["pid"]).environ()
+        assert worker_env[SCHEDULER_ENV] == address and worker_env[TLS_ENV] == tls
+
+        # refused: plain tcp://, tls:// without certificates (each in a process of its own: a
+        # Client whose connect failed can deadlock in __del__ when collected later)
+        for plain_address in (address.replace("tls://", "tcp://"), address):
+            refused = subprocess.run(
+                [sys.executable, "-c", "import sys\nfrom distributed import Client\n"
+                 "try:\n    Client(sys.argv[1], timeout='5s')\nexcept Exception as e:\n"
+                 "    print(type(e).__name__); sys.exit(3)", plain_address],
+                cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+            assert refused.returncode == 3, (plain_address, refused.stdout, refused.stderr)
+        with Client(address, security=tls_security(tls), timeout=30) as client:
+            assert len(client.scheduler_info()["workers"]) == 2
+            assert all(a.startswith("tls://127.0.0.1:") for a in client.scheduler_info()["workers"])
+        # a flow run of the stack's Prefect worker: connect() with its environment alone
+        probe = subprocess.run(
+            [sys.executable, "-c", "from pipelines.cluster import connect\n"
+             "with connect() as c: print(c.scheduler.address, len(c.scheduler_info()['workers']))"],
+            cwd=ROOT, env={**env, SCHEDULER_ENV: address, TLS_ENV: tls}, capture_output=True, text=True,
+            timeout=120)
+        assert probe.returncode == 0 and probe.stdout.split() == [address, "2"], probe.stdout + probe.stderr
+
+        marl = [sys.executable, "-m", "flows.cli", "train", "qmix-smac-tiny", "--run-dir", run,
+                "--env-steps", "1024", "--scheduler", address]
+        plain = subprocess.run(marl, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+        assert plain.returncode == 2 and "speaks TLS; add --tls" in plain.stderr, plain.stdout + plain.stderr
+        assert len(plain.stderr.strip().splitlines()) == 1 and not os.path.exists(run)
+        started = time.perf_counter()
+        train = subprocess.run([*marl, "--tls", tls], cwd=ROOT, env=env, capture_output=True, text=True,
+                               timeout=400)
+        print(f"marl train through the TLS stack: {time.perf_counter() - started:.1f} s")
+        assert train.returncode == 0, train.stdout + train.stderr
+        with Client(address, security=tls_security(tls), timeout=30) as client:
+            prefixes = client.run_on_scheduler(lambda dask_scheduler: sorted(dask_scheduler.task_prefixes))
+        assert {"collect", "train"} <= set(prefixes), prefixes  # on the stack's workers
+        assert os.path.isdir(os.path.join(run, "checkpoints"))
+
+        # plain `up` on the running TLS stack: one line, nothing restarted
+        again = _marl_stack("up", *flags, env=env)
+        assert again.returncode == 2 and "runs its dask-scheduler and dask-workers with --tls" in again.stderr
+        assert psutil.Process(state["components"]["dask-scheduler"]["pid"]).is_running()
+    finally:
+        if os.path.exists(os.path.join(home, "stack.json")):
+            _marl_stack("down", "--home", home, env=env, timeout=120)
