@@ -28,7 +28,14 @@ def describe(env_id: str) -> dict:
     return {"id": env_id, "family": family, "agents": spec.n_agents, "obs": spec.obs_dim,
             "state": spec.state_dim, "actions": actions, "space": "discrete" if spec.discrete else "continuous",
             "masked": spec.has_avail_actions, "limit": spec.episode_limit,
-            "backend": "JAX" if spec.backend == "jax" else "CPU"}
+            "backend": "JAX" if spec.backend == "jax" else "CPU", "teams": env.teams}
+
+
+def _teams(teams: dict) -> str:
+    """`, teams adversary(1)/agent(2)` where the agents' names make more than one team."""
+    if len(teams) < 2:
+        return ""
+    return ", teams " + "/".join(f"{name}({len(members)})" for name, members in teams.items())
 
 
 def cmd_envs(args) -> int:
@@ -49,9 +56,10 @@ def cmd_envs(args) -> int:
             print(f"{r['id']:{width}s}  {r['family']:13s} not available here: {r['unavailable']}")
             continue
         print(f"{r['id']:{width}s}  {r['family']:13s} {r['agents']:>6d} {r['obs']:>5d} {r['state']:>5d}  "
-              f"{r['backend']:7s} {r['limit']:>5d}  {r['actions']}{', masked' if r['masked'] else ''}")
+              f"{r['backend']:7s} {r['limit']:>5d}  {r['actions']}{', masked' if r['masked'] else ''}"
+              f"{_teams(r['teams'])}")
     print("any other importable PettingZoo ParallelEnv: pz:<module>.<env> (CPU); env kwargs: "
-          "--set env_kwargs='{\"max_steps\": 50}'")
+          "--set env_kwargs='{\"max_steps\": 50}'; teams: --set train_team=TEAM opponent=random|noop|EXPORT_DIR")
     return 0
 
 
@@ -61,6 +69,7 @@ def add_commands(sub) -> None:
                        "observation and state sizes, whether it steps in JAX (jit/vmap, any worker) or on "
                        "a CPU (PettingZoo), its episode limit and its actions (discrete or continuous; "
                        "'own' sizes where agents differ and are padded; 'masked' where the env restricts "
-                       "actions). Ids that need a missing package say which.")
+                       "actions; 'teams' where the agents' names make competing teams, each of which `--set "
+                       "train_team=TEAM` trains against a fixed opponent). Ids that need a missing package say which.")
     p.add_argument("filter", nargs="?", help="only ids containing this, e.g. hanabi or smax")
     p.set_defaults(fn=cmd_envs)

@@ -16,6 +16,10 @@ Agents with different observation or action sizes are padded to the largest (Jax
 JAX envs are adapted to arrays: every step returns a `Timestep` whose leaves are stacked
 over agents ([agent, ...]), so they vmap over envs and scan over time without dicts.
 PettingZoo envs step in numpy through the same `Timestep`, never inside `jit`.
+
+Teams (marl/teams.py): every env has `.teams`, from its agents' names (adversary_* vs
+agent_*) or the `teams` kwarg; with `train_team=<team>` make() returns that team's view, the
+other agents played inside the step by a fixed `opponent` (random, noop, or an export dir).
 """
 
 from __future__ import annotations
@@ -492,20 +496,7 @@ class PettingZooEnv:
 
     def _env_action(self, i: int, action):
         """Agent i's padded action -> its own, as its space takes it."""
-        layout = self._layout
-        if self.spec.discrete:
-            if layout is not None and layout["nvec"] is not None:
-                return np.asarray(np.unravel_index(int(action), layout["nvec"][i]), np.int64)
-            return int(action)
-        action = np.asarray(action, np.float32)
-        if layout is None:
-            return action
-        size = layout["sizes"][i]
-        action = action[:size]
-        if layout["low"] is not None:
-            lo, hi = layout["low"][i, :size], layout["high"][i, :size]
-            action = lo + (np.clip(action, -1.0, 1.0) + 1.0) * 0.5 * (hi - lo)
-        return action
+        return numpy_action(self._layout, self.spec.discrete, i, action)
 
     def step(self, actions: np.ndarray) -> Timestep:
         agents = self.spec.agents
@@ -523,6 +514,23 @@ class PettingZooEnv:
             obs, _ = self.env.reset()
             self._episode_steps = 0
         return self._timestep(obs, reward, done, done and not truncated, truncated)
+
+
+def numpy_action(layout: dict | None, discrete: bool, i: int, action):
+    """Agent i's padded action -> its own, as its space takes it (`layout`: action_layout's)."""
+    if discrete:
+        if layout is not None and layout["nvec"] is not None:
+            return np.asarray(np.unravel_index(int(action), layout["nvec"][i]), np.int64)
+        return int(action)
+    action = np.asarray(action, np.float32)
+    if layout is None:
+        return action
+    size = layout["sizes"][i]
+    action = action[:size]
+    if layout["low"] is not None:
+        lo, hi = layout["low"][i, :size], layout["high"][i, :size]
+        action = lo + (np.clip(action, -1.0, 1.0) + 1.0) * 0.5 * (hi - lo)
+    return action
 
 
 def _flat_np(x) -> np.ndarray:
@@ -552,6 +560,11 @@ def _make_pettingzoo(env_id: str, target: str, kwargs: dict) -> PettingZooEnv:
     def factory():
         return factory_fn(**kwargs)
 
+    return pettingzoo_env(env_id, factory)
+
+
+def pettingzoo_env(env_id: str, factory) -> PettingZooEnv:
+    """The PettingZooEnv of the ParallelEnvs that `factory()` makes, its spec read off one."""
     probe = factory()
     first_obs, _ = probe.reset(seed=0)
     agents = tuple(probe.possible_agents)
@@ -607,8 +620,31 @@ def why_not(env_id: str) -> str | None:
     return unavailable(name) if kind == "jaxmarl" else None
 
 
-def make(env_id: str, **kwargs) -> JaxEnv | PettingZooEnv:
-    """Resolve an id to an env with `.spec`; a bad id or kwarg raises a one-line EnvError."""
+def make(env_id: str, **kwargs):
+    """Resolve an id to an env with `.spec`; a bad id or kwarg raises a one-line EnvError.
+
+    The team settings `teams`, `train_team` and `opponent` (marl.teams) are taken here, not
+    passed to the env: with `train_team` the env is that team's view, its other agents
+    played by the fixed `opponent` inside the step (teams.TeamJaxEnv, or a wrapped
+    ParallelEnv); every env has `.teams` ({team: agents}, from the names by default)."""
+    from marl import teams as team_settings
+
+    settings = {k: kwargs.pop(k) for k in team_settings.TEAM_SETTINGS if k in kwargs}
+    env = _make(env_id, **kwargs)
+    groups, train_team, opponent = team_settings.resolve(env_id, env.spec.agents, **settings)
+    if train_team is None:
+        env.teams = groups
+        return env
+    if isinstance(env, PettingZooEnv):
+        team_env = pettingzoo_env(env_id, team_settings.team_pettingzoo_factory(
+            env_id, env.factory, env.spec.agents, groups, train_team, opponent))
+    else:
+        team_env = team_settings.TeamJaxEnv(env, groups, train_team, opponent)
+    team_env.teams = groups
+    return team_env
+
+
+def _make(env_id: str, **kwargs) -> JaxEnv | PettingZooEnv:
     kind, _, name = str(env_id).partition(":")
     if kind == "smax" and name in smax_scenarios():
         return _make_smax(env_id, name, kwargs)

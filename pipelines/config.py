@@ -2,7 +2,8 @@
 
 A preset names an algorithm, an env and the run's shape (envs per collector, steps per
 region, ring size, evaluation) plus algorithm settings; `--set key=value` overrides either
-kind of setting: run settings by their field name, algorithm settings by theirs.
+kind of setting: run settings by their field name, algorithm settings by theirs. The team
+settings (`teams`, `train_team`, `opponent`; marl/teams.py) go into `env_kwargs`.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import os
 
 from marl import algos
 from marl.algos import ConfigError
+from marl.teams import FIXED_OPPONENTS, TEAM_SETTINGS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -207,14 +209,17 @@ def make_run_config(preset: str, *, env_id: str | None = None, total_env_steps: 
     algo_overrides = dict(base.pop("algo_overrides", {}))
     run_values = dict(base)
     algo_fields = {f.name for f in dataclasses.fields(algos.module_for(base["algo"]).Config)}
+    team = {}  # marl.teams' settings travel in env_kwargs: every maker of the run's env gets them
     for key, value in (overrides or {}).items():
         if key in algo_fields:
             algo_overrides[key] = value
         elif key in run_fields:
             run_values[key] = value
+        elif key in TEAM_SETTINGS:
+            team[key] = value
         else:
             raise ConfigError(f"unknown setting {key!r} for preset {preset}; valid: "
-                              f"{', '.join(sorted(run_fields | algo_fields))}")
+                              f"{', '.join(sorted(run_fields | algo_fields | set(TEAM_SETTINGS)))}")
     explicit = dict(env_id=env_id, total_env_steps=total_env_steps, n_collectors=n_collectors,
                     seed=seed, run_dir=run_dir)
     run_values.update({k: v for k, v in explicit.items() if v is not None})
@@ -232,6 +237,10 @@ def make_run_config(preset: str, *, env_id: str | None = None, total_env_steps: 
             run_values[key] = value
         else:
             run_values[key] = algos.coerce(value, kind, key)
+    if team and isinstance(run_values.get("env_kwargs", {}), dict):
+        if team.get("opponent") and str(team["opponent"]) not in FIXED_OPPONENTS:
+            team["opponent"] = os.path.abspath(str(team["opponent"]))  # the workers' cwd may differ
+        run_values["env_kwargs"] = {**run_values.get("env_kwargs", {}), **team}
     config = RunConfig(preset=preset, algo_overrides=algo_overrides, **run_values)
     for key in ("total_env_steps", "n_collectors", "envs_per_collector", "steps_per_region", "n_seeds",
                 "buffer_transitions", "eval_every", "eval_episodes", "checkpoint_every"):

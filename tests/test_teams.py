@@ -1,0 +1,188 @@
+"""Competitive teams (marl/teams.py): teams from the agents' names or `--set teams=...`, and
+one team trained against a fixed opponent played inside the env's step (random, noop, or a
+policy written by `marl export`), on real jaxmarl and PettingZoo MPE envs, real stores, a
+real flow run on the test cluster and a real export."""
+
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from flows import checks
+from flows.cli import main
+from marl import envs, load_policy, teams
+from marl.algos import ConfigError
+from pipelines import stages
+from pipelines.config import make_run_config
+from storage import ReplayStore, open_replay
+
+pytestmark = pytest.mark.filterwarnings("ignore")  # jaxmarl's deprecation and dtype notes
+
+ADVERSARY = "mpe:simple_adversary"
+TINY = "mappo-mpe-tiny"
+
+
+def test_teams_come_from_the_agents_names_or_a_spec_and_bad_specs_are_one_line(capfd):
+    assert envs.make(ADVERSARY).teams == {"adversary": ("adversary_0",), "agent": ("agent_0", "agent_1")}
+    assert teams.detect(("adversary_0", "adversary_1", "adversary_2", "agent_0")) == \
+        {"adversary": ("adversary_0", "adversary_1", "adversary_2"), "agent": ("agent_0",)}  # simple_tag
+    assert teams.detect(("leadadversary_0", "adversary_0", "agent_0")) == \
+        {"adversary": ("leadadversary_0", "adversary_0"), "agent": ("agent_0",)}  # simple_world_comm
+    assert teams.detect(("ally_0", "ally_1", "enemy_0")) == {"ally": ("ally_0", "ally_1"), "enemy": ("enemy_0",)}
+    assert teams.detect(("eve_0", "bob_0", "alice_0")) == {"adversary": ("eve_0",), "agent": ("bob_0", "alice_0")}
+    assert teams.detect(("speaker_0", "listener_0")) == {"all": ("speaker_0", "listener_0")}  # cooperative
+    assert teams.detect(("agent_0", "agent_1")) == {"agent": ("agent_0", "agent_1")}
+    agents = ("adversary_0", "agent_0", "agent_1")
+    want = {"red": ("adversary_0", "agent_1"), "blue": ("agent_0",)}
+    for spec in ("red:adversary_0,agent_1;blue:agent_0", '{"red": ["adversary_*", "agent_1"], "blue": ["agent_0"]}',
+                 {"red": "adversary_0,agent_1", "blue": ["agent_*0"]}):
+        assert teams.parse(spec, agents, ADVERSARY) == want, spec
+    # the PettingZoo version has the same teams, its agents in its own order
+    assert envs.make("pz:mpe2.simple_tag_v3").teams["agent"] == ("agent_0",)
+    for kwargs, words in [
+        ({"teams": "a:agent_9;b:adversary_0,agent_0,agent_1"}, ["names 'agent_9', which is no agent of this env",
+                                                              "its agents: adversary_0, agent_0, agent_1"]),
+        ({"teams": "a:agent_0"}, ["agent(s) adversary_0, agent_1 are in no team"]),
+        ({"teams": "a:agent_*;b:agent_0,adversary_0"}, ["agent agent_0 is in teams 'a' and 'b'"]),
+        ({"teams": "{oops"}, ["is not JSON"]),
+        ({"teams": "agents"}, ["bad team 'agents'"]),
+        ({"train_team": "red"}, ["train_team=red is not one of its teams (adversary, agent)"]),
+        ({"opponent": "noop"}, ["opponent=noop needs train_team=<team>"]),
+        ({"train_team": "agent", "opponent": "/no/such/dir"}, ["neither random nor noop nor a directory"]),
+    ]:
+        with pytest.raises(envs.EnvError) as err:
+            envs.make(ADVERSARY, **kwargs)
+        message = str(err.value)
+        assert "\n" not in message and all(w in message for w in words), message
+        assert "--set" in message or "pass" in message or "add" in message or "write" in message, message
+    with pytest.raises(envs.EnvError, match="has one team .*split its agents"):
+        envs.make("mpe:simple_spread", train_team="agent")
+    # --set teams=... is a run setting, checked (with the env) before anything starts
+    config = make_run_config(TINY, env_id=ADVERSARY, overrides={"teams": "a:agent_7"})
+    with pytest.raises(envs.EnvError, match="names 'agent_7', which is no agent"):
+        checks.check_env(config)
+    with pytest.raises(ConfigError, match="train_team"):
+        make_run_config(TINY, overrides={"train_teem": "agent"})
+    # `marl envs` shows the teams
+    assert main(["envs", "simple_adversary"]) == 0
+    rows = {line.split()[0]: line for line in capfd.readouterr().out.splitlines()
+            if line.strip() and ":" in line.split()[0]}
+    assert rows[ADVERSARY].endswith("discrete 5, teams adversary(1)/agent(2)")
+    assert rows["pz:mpe2.simple_adversary_v3"].endswith("teams adversary(1)/agent(2)")
+
+
+def test_a_team_view_shows_its_agents_and_reward_and_steps_the_others_inside():
+    full = envs.make(ADVERSARY)
+    view = envs.make(ADVERSARY, train_team="agent", opponent="noop")
+    assert view.spec.agents == ("agent_0", "agent_1") and view.opponent_agents == ("adversary_0",)
+    assert (view.spec.obs_dim, view.spec.state_dim, view.spec.n_actions) == (10, full.spec.state_dim, 5)
+    assert envs.make(ADVERSARY, train_team="adversary").spec.obs_dim == 8  # the adversary's own obs
+    reset, step = jax.jit(view.reset), jax.jit(view.step)
+    full_step = jax.jit(full.step)
+    key = jax.random.PRNGKey(3)
+    ts, state = reset(key)
+    full_ts, full_state = jax.jit(full.reset)(key)
+    start = state.env_state.p_pos[0]
+    rng = np.random.default_rng(0)
+    for t in range(6):
+        key, k = jax.random.split(key)
+        actions = jnp.asarray(rng.integers(0, 5, 2), jnp.int32)
+        ts, state = step(k, state, actions)
+        # the same step of the whole env, the adversary doing nothing (noop = action 0)
+        full_ts, full_state = full_step(jax.random.split(k)[1], full_state, jnp.concatenate([jnp.zeros(1, jnp.int32), actions]))
+        np.testing.assert_allclose(ts.reward, full_ts.reward[1:])  # the team's own reward
+        np.testing.assert_allclose(ts.obs, full_ts.obs[1:])
+        assert ts.obs.shape == (2, 10) and ts.avail_actions.shape == (2, 5)
+    np.testing.assert_allclose(state.env_state.p_pos[0], start)  # the noop adversary stayed put
+    # a random adversary moves
+    random_view = envs.make(ADVERSARY, train_team="agent")
+    ts, state = random_view.reset(key)
+    start, random_step = state.env_state.p_pos[0], jax.jit(random_view.step)
+    for t in range(3):
+        ts, state = random_step(jax.random.PRNGKey(t), state, jnp.zeros(2, jnp.int32))
+    assert not np.allclose(state.env_state.p_pos[0], start)
+
+
+@pytest.fixture(scope="module")
+def agent_run(tmp_path_factory, prefect_server, dask_cluster):
+    """`marl train` (the flow, on the test cluster) of MAPPO's team `agent` on simple_adversary
+    against a random adversary."""
+    from flows.train import marl_train
+
+    run_dir = str(tmp_path_factory.mktemp("teams") / "agent-run")
+    result = marl_train(preset=TINY, env=ADVERSARY, run_dir=run_dir, env_steps=256,
+                        overrides={"train_team": "agent", "opponent": "random"},
+                        scheduler_address=dask_cluster.scheduler_address)
+    return run_dir, result
+
+
+def test_a_flow_trains_one_team_against_a_random_opponent(agent_run):
+    run_dir, result = agent_run
+    assert result["env_steps"] == 256 and np.isfinite(result["final_eval"]["return_mean"])
+    store = ReplayStore.open(os.path.join(run_dir, "replay"))
+    assert store.attrs["env_spec"]["agents"] == ["agent_0", "agent_1"]
+    assert store.attrs["config"]["env_kwargs"] == {"train_team": "agent", "opponent": "random"}
+    ds = open_replay(os.path.join(run_dir, "replay"))
+    assert ds.sizes["agent"] == 2 and ds.sizes["obs_dim"] == 10
+    reward = ds.reward.values
+    # the agents share simple_adversary's good-team reward; the adversary's is not there
+    np.testing.assert_allclose(reward[..., 0], reward[..., 1])
+    assert np.isfinite(ds.obs.values).all() and ds.truncated.values.any()
+
+
+def test_a_team_trains_against_an_exported_policy(agent_run, tmp_path, capsys):
+    run_dir, _ = agent_run
+    out = tmp_path / "agents-policy"
+    assert main(["export", run_dir, "--out", str(out)]) == 0, capsys.readouterr().err
+    policy = load_policy(str(out))
+    assert policy.spec.agents == ("agent_0", "agent_1")
+    # the adversary trains against the exported agents, which act greedily inside the step
+    view = envs.make(ADVERSARY, train_team="adversary", opponent=str(out))
+    ts, state = view.reset(jax.random.PRNGKey(0))
+    step = jax.jit(view.step)
+    for t in range(3):
+        want, _ = policy.act(np.asarray(state.opponent_obs))  # greedy, feed-forward
+        ts, state = step(jax.random.PRNGKey(t), state, jnp.zeros(1, jnp.int32))
+        np.testing.assert_array_equal(np.asarray(state.opponent_action), want)
+    config = make_run_config(TINY, env_id=ADVERSARY, run_dir=str(tmp_path / "adversary-run"), n_collectors=1,
+                             total_env_steps=256, overrides={"train_team": "adversary", "opponent": str(out)})
+    assert checks.check_env(config).agents == ("adversary_0",)
+    cfg = config.to_dict()
+    try:
+        stages.prepare_run(cfg)
+        params = stages.policy_params(cfg)
+        stats = stages.collect(cfg, 0, 0, params, 0, 0)
+        assert stages.train(cfg, 0, 128, True, [stats])["metrics"]["updates"] == 1
+    finally:
+        stages.clear_caches()
+    ds = open_replay(config.store_path)
+    assert ds.sizes["agent"] == 1 and ds.sizes["obs_dim"] == 8
+    # the exported agents' policy cannot play the adversary
+    with pytest.raises(envs.EnvError, match=r"plays agents agent_0, agent_1, not adversary_0; export a run"):
+        envs.make(ADVERSARY, train_team="agent", opponent=str(out))
+
+
+def test_a_pettingzoo_team_collects_against_a_fixed_opponent(tmp_path):
+    env = envs.make("pz:mpe2.simple_adversary_v3", train_team="agent", opponent="noop")
+    assert env.spec.agents == ("agent_0", "agent_1") and env.spec.backend == "numpy"
+    ts = env.reset(seed=0)
+    start = env.env.unwrapped.world.agents[0].state.p_pos.copy()  # the adversary
+    for _ in range(3):
+        ts = env.step(np.array([1, 2]))
+    assert ts.obs.shape == (2, 10) and ts.reward.shape == (2,)
+    np.testing.assert_allclose(env.env.unwrapped.world.agents[0].state.p_pos, start)  # noop: it stayed
+    config = make_run_config(TINY, env_id="pz:mpe2.simple_adversary_v3", run_dir=str(tmp_path / "run"),
+                             n_collectors=1, overrides={"train_team": "adversary", "envs_per_collector": "2",
+                                                        "steps_per_region": "30"})
+    cfg = config.to_dict()
+    try:
+        stages.prepare_run(cfg)
+        stages.collect(cfg, 0, 0, stages.policy_params(cfg), 0, 0)
+    finally:
+        stages.clear_caches()
+    data = ReplayStore.open(config.store_path).read_region(0)
+    assert data["obs"].shape == (30, 2, 1, 8) and data["action"].shape == (30, 2, 1)
+    assert data["truncated"].any()  # through an episode end (25 steps) and its auto-reset
