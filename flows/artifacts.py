@@ -108,6 +108,8 @@ def _summary_markdown(result: dict, config, png: str, png_uri: str) -> str:
         ("checkpoints", f"`{result['checkpoint_dir']}`"),
         ("Dask dashboard", f"[{result['dashboard']}]({result['dashboard']})" if result.get("dashboard") else "n/a"),
         ("learning curve", f"[{os.path.basename(png)}]({png_uri}) (`{os.path.abspath(png)}`)"),
+        *([("last evaluation's episode (GIF)", f"`{result['render']}` (the render artifact)")]
+          if result.get("render") else []),
     ]
     lines = [f"# {config.preset}: {config.algo} on {config.env_id}", "", "| | |", "|---|---|"]
     lines += [f"| {name} | {value} |" for name, value in rows]

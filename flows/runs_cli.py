@@ -1,11 +1,12 @@
 """`marl runs` and `marl compare`: the runs under a directory, and their learning curves side by side.
 
     marl runs [DIR] [--json]                     one row per run dir under DIR (default runs)
-    marl compare RUN_DIR... [--out compare.png] [--metric NAME] [--json]
+    marl compare RUN_DIR... [--out compare.png] [--metric NAME] [--separate] [--json]
 
 Everything is read from what a run leaves in its dir: the run config in the replay store's
 zarr.json, the checkpoints' metadata and the per-iteration rows of metrics.csv (flows/loggers.py).
-Nothing is written but the figure.
+Nothing is written but the figure. Runs that differ only in their seed (`marl train --seed S`)
+are drawn as one curve, their mean +- std (unless --separate).
 """
 
 from __future__ import annotations
@@ -15,12 +16,16 @@ import json
 import math
 import os
 import sys
+import textwrap
 import time
 
 # a run whose metrics.csv or checkpoints changed this recently counts as running
 # (a run leaves no other live mark; one iteration of the presets takes well under this)
 RUNNING_WITHIN_S = 300
 CURVES = ("test_win_rate", "test_return")  # compare's default panels
+# run settings that do not change what is learned: runs that differ only in these and the
+# seed are one experiment's seeds (max_wall_s: when it stopped, not what it trained)
+NOT_THE_EXPERIMENT = ("seed", "run_dir", "max_wall_s", "render_every", "fail_regions_once")
 
 
 def _fail(message) -> int:
@@ -148,21 +153,85 @@ def summarize(run_dir: str, rows: list[dict], metrics) -> dict:
     return out
 
 
-def plot_curves(runs: list[tuple[str, dict, list[dict]]], metrics, path: str) -> str:
-    """One figure, a panel per metric: each run's curve over env steps, a band of +- one
-    std over seeds where the run has several."""
+def run_curve(rows: list[dict], m: str):
+    """(env steps, values, std over the run's seeds or None) of metric m where the run has it."""
+    points = [r for r in rows if not math.isnan(r.get(m, math.nan))]
+    std = [r.get(f"{m}_std", math.nan) for r in points]
+    spread = std if points and not any(isinstance(v, str) or math.isnan(v) for v in std) else None
+    return [r["env_steps"] for r in points], [r[m] for r in points], spread
+
+
+def _samples(row: dict, m: str) -> list[float]:
+    """A row's values of m: its seeds' (the per-seed column of a --seeds run), else its one value."""
+    per_seed = row.get(f"{m}_per_seed")
+    if isinstance(per_seed, str):
+        try:
+            values = [float(v) for v in json.loads(per_seed)]
+            if values:
+                return values
+        except (ValueError, TypeError):
+            pass
+    value = row.get(m, math.nan)
+    return [] if isinstance(value, str) or math.isnan(value) else [value]
+
+
+def group_curve(members: list[list[dict]], m: str):
+    """(env steps, mean, std, n) of m over the runs of a group (each --seeds run's seeds counted
+    one by one), at the env steps where every run has it; std is the population std (as the
+    evaluator's over seeds)."""
+    import numpy as np
+
+    by_step = [{r["env_steps"]: _samples(r, m) for r in rows} for rows in members]
+    steps = sorted(set.intersection(*(set(s for s, v in b.items() if v) for b in by_step)))
+    samples = [np.array([v for b in by_step for v in b[s]]) for s in steps]
+    return (steps, [float(v.mean()) for v in samples], [float(v.std()) for v in samples],
+            [len(v) for v in samples])
+
+
+def group_runs(runs: list[tuple[str, dict, dict, list[dict]]]) -> list[list[int]]:
+    """Indices of `runs` ((dir, info, stored config, rows)) grouped: runs whose configs are
+    equal but for the seed (and NOT_THE_EXPERIMENT) and whose seeds differ go together, in
+    the order first given; the same run given twice stays apart."""
+    groups: list[tuple[str, list[int], set]] = []
+    for i, (_, _, config, _) in enumerate(runs):
+        key = json.dumps({k: v for k, v in config.items() if k not in NOT_THE_EXPERIMENT}, sort_keys=True)
+        seed = config.get("seed")
+        for k, members, seeds in groups:
+            if k == key and seed not in seeds:
+                members.append(i)
+                seeds.add(seed)
+                break
+        else:
+            groups.append((key, [i], {seed}))
+    return [members for _, members, _ in groups]
+
+
+def summarize_group(runs, members: list[int], metrics) -> dict:
+    """Final and best of the group's mean curve of each metric, with the std and the number of
+    seeds at the final point."""
+    out = {"run_dirs": [runs[i][0] for i in members], "seeds": [runs[i][2].get("seed") for i in members]}
+    for m in metrics:
+        steps, mean, std, n = group_curve([runs[i][3] for i in members], m)
+        out[m] = {"final": mean[-1] if steps else None, "final_std": std[-1] if steps else None,
+                  "best": max(mean) if steps else None, "n": n[-1] if steps else 0,
+                  "env_steps": int(steps[-1]) if steps else None}
+    out["env_steps"] = int(min(runs[i][3][-1]["env_steps"] for i in members))
+    return out
+
+
+def plot_curves(curves: list[tuple[str, dict]], metrics, path: str) -> str:
+    """One figure, a panel per metric: each curve over env steps ({metric: (x, y, std or None)}),
+    a band of +- one std where it has one (over seeds: of a --seeds run or of a group of runs)."""
     from matplotlib.figure import Figure  # object API: no pyplot backend switching
 
     fig = Figure(figsize=(5 * len(metrics), 3.8), layout="constrained")
     axes = fig.subplots(1, len(metrics), squeeze=False)[0]
     for ax, m in zip(axes, metrics):
-        for label, info, rows in runs:
-            points = [r for r in rows if not math.isnan(r.get(m, math.nan))]
-            x = [r["env_steps"] for r in points]
-            y = [r[m] for r in points]
-            (line,) = ax.plot(x, y, "o-", markersize=3, label=label)
-            std = [r.get(f"{m}_std", math.nan) for r in points]
-            if points and not any(isinstance(s, str) or math.isnan(s) for s in std):
+        for label, by_metric in curves:
+            x, y, std = by_metric[m]
+            # long run dirs wrapped: a legend wider than its panel collapses the layout
+            (line,) = ax.plot(x, y, "o-", markersize=3, label=textwrap.fill(label, 48))
+            if std is not None and x:
                 ax.fill_between(x, [a - s for a, s in zip(y, std)], [a + s for a, s in zip(y, std)],
                                 color=line.get_color(), alpha=0.2, linewidth=0)
         ax.set(xlabel="env steps", ylabel=m.replace("_", " "), title=m.replace("_", " "))
@@ -196,25 +265,41 @@ def cmd_compare(args) -> int:
             if missing:
                 raise checks.InputError(f"{run_dir}/metrics.csv has no column {', '.join(missing)}; "
                                         f"its columns: {', '.join(k for k in rows[0] if k != 'iteration')}")
-            runs.append((run_dir, info, rows))
+            runs.append((run_dir, info, checks.stored_run_config(run_dir) or {}, rows))
     except checks.InputError as e:
         return _fail(e)
+    groups = [[i] for i in range(len(runs))] if args.separate else group_runs(runs)
     labels = [f"{os.path.normpath(d)} ({i['algo']}, {i['env_id']}"
-              + (f", {i['n_seeds']} seeds)" if i["n_seeds"] > 1 else ")") for d, i, _ in runs]
-    plot_curves([(label, info, rows) for label, (_, info, rows) in zip(labels, runs)], metrics, args.out)
-    summary = [summarize(d, rows, metrics) for d, _, rows in runs]
+              + (f", {i['n_seeds']} seeds)" if i["n_seeds"] > 1 else ")") for d, i, _, _ in runs]
+    summary = [summarize(d, rows, metrics) for d, _, _, rows in runs]
+    curves, table_rows, grouped = [], [], []
+    for members in groups:
+        if len(members) == 1:
+            (i,) = members
+            curves.append((labels[i], {m: run_curve(runs[i][3], m) for m in metrics}))
+            table_rows.append((labels[i], summary[i]))
+            continue
+        info = runs[members[0]][1]
+        g = summarize_group(runs, members, metrics)
+        label = (f"{', '.join(os.path.normpath(runs[i][0]) for i in members)} ({info['algo']}, {info['env_id']}, "
+                 f"seeds {', '.join(str(s) for s in g['seeds'])}: mean +- std)")
+        curves.append((label, {m: group_curve([runs[i][3] for i in members], m)[:3] for m in metrics}))
+        table_rows.append((label, g))
+        grouped.append(g)
+    plot_curves(curves, metrics, args.out)
     if args.json:
-        print(json.dumps({"figure": args.out, "runs": summary}, indent=2))
+        print(json.dumps({"figure": args.out, "runs": summary, "groups": grouped}, indent=2))
         return 0
     from rich.table import Table
 
-    table = Table(title="final (+- std over seeds) and best of each run")
+    table = Table(title="final (+- std over seeds) and best of each run, or of the mean of runs that "
+                  "differ only in their seed")
     table.add_column("run")
     table.add_column("env steps", justify="right")
     for m in metrics:
         table.add_column(f"{m.replace('_', ' ')} final", justify="right")
         table.add_column("best", justify="right")
-    for label, s in zip(labels, summary):
+    for label, s in table_rows:
         cells = []
         for m in metrics:
             final = _number(s[m]["final"], ".3f")
@@ -243,10 +328,14 @@ def add_commands(sub) -> None:
                        "final and best metrics",
                        description="Read each run's metrics.csv and draw their learning curves over env "
                        "steps on one figure (--out, a panel per metric, a band of +- one std over seeds "
-                       "for --seeds runs), and print each run's final and best value of each metric.")
+                       "for --seeds runs), and print each run's final and best value of each metric. Runs "
+                       "that differ only in their seed (marl train --seed S) are one curve, their mean +- "
+                       "std over seeds, and one row (--separate: each on its own).")
     p.add_argument("run_dirs", metavar="RUN_DIR", nargs="+", help="run dirs of `marl train`, e.g. runs/*")
     p.add_argument("--out", default="compare.png", help="the figure to write (default compare.png)")
     p.add_argument("--metric", action="append", metavar="NAME",
                    help="a metrics.csv column to draw (repeatable; default test_win_rate and test_return)")
+    p.add_argument("--separate", action="store_true", help="draw every run on its own, also runs that differ "
+                   "only in their seed (by default those are one curve: their mean +- std)")
     p.add_argument("--json", action="store_true", help="print the summary as JSON instead of a table")
     p.set_defaults(fn=cmd_compare)

@@ -19,6 +19,7 @@ from prefect.cache_policies import NO_CACHE
 
 from flows import checks
 from flows import loggers as metric_loggers
+from flows.renders import TrainingRenders
 from pipelines import cluster as clusters
 from pipelines import stages
 from pipelines.config import RunConfig, make_run_config
@@ -147,6 +148,8 @@ def marl_train(preset: str = "qmix-smac", env: str | None = None, env_steps: int
         logger.info("Dask dashboard: %s", dashboard)
         writers: list = []
         starts: list[dict] = []
+        placed: list = []  # where the latest dataflow runs (its evaluator draws the GIFs)
+        renders = TrainingRenders(client, config, logger)  # --set render_every=N; off by default
 
         def on_start(start, where):
             nonlocal config
@@ -162,6 +165,7 @@ def marl_train(preset: str = "qmix-smac", env: str | None = None, env_steps: int
                     logger.info("resuming %s at iteration %d (%d env steps) from its checkpoint",
                                 config.run_dir, start["iteration"], start["env_steps"])
             starts.append(start)
+            placed[:] = [where]
             for writer in writers:  # (re)opened at the start: they drop what came after it
                 writer.close()
             writers[:] = metric_loggers.open_loggers(logger_names, config.run_dir, start["iteration"],
@@ -174,6 +178,7 @@ def marl_train(preset: str = "qmix-smac", env: str | None = None, env_steps: int
                 writer.log(row)
             for hook in ITERATION_HOOKS:
                 hook({**row, "n_iterations": config.n_iterations})
+            renders.on_row(row, placed[-1])
 
         began = time.perf_counter()
         try:
@@ -184,6 +189,7 @@ def marl_train(preset: str = "qmix-smac", env: str | None = None, env_steps: int
                 writer.close()
             raise
         summary = dataflow.summary()
+        render = renders.finish(history, placed[-1])
         if dataflow.stopped_early:
             logger.info("stopped after %.0f s (max_wall_s)", config.max_wall_s)
         # long-lived workers (a stack's) would otherwise keep every finished run in memory
@@ -194,7 +200,7 @@ def marl_train(preset: str = "qmix-smac", env: str | None = None, env_steps: int
               "resumed_from": starts[0]["iteration"], "learner_moves": len(starts) - 1,
               "env_steps": env_steps_done, "history": history,
               "final_eval": dataflow.final_eval, "wall_s": time.perf_counter() - began,
-              "dataflow": summary, "dashboard": dashboard}
+              "dataflow": summary, "dashboard": dashboard, "render": render}
     from flows.artifacts import publish_run_artifacts  # matplotlib only once a run ends
 
     try:

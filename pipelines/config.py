@@ -34,6 +34,9 @@ class RunConfig:
     replay_memory_fraction: float = 0.5
     eval_every: int = 20  # iterations between greedy evaluations (and at the end)
     eval_episodes: int = 128
+    # every this many evaluations the flow draws one short greedy episode of the checkpoint
+    # at that iteration as a GIF artifact (pipelines/render.py; 0: never; the last evaluation's too)
+    render_every: int = 0
     checkpoint_every: int = 20  # iterations between checkpoints (and at the end)
     seed: int = 0
     # independent seeds trained side by side (vmap): seed s gets envs [s*N, (s+1)*N) of
@@ -250,6 +253,9 @@ def make_run_config(preset: str, *, env_id: str | None = None, total_env_steps: 
     if not 0 < config.replay_memory_fraction <= 1:
         raise ConfigError(f"setting replay_memory_fraction={config.replay_memory_fraction} must be in "
                           "(0, 1]: the share of the learner worker's memory its replay may take")
+    if config.render_every < 0:
+        raise ConfigError(f"setting render_every={config.render_every} must be >= 0 (0: no GIFs; N: every "
+                          "N-th evaluation's policy drawn as a GIF artifact); e.g. --set render_every=5")
     if config.max_policy_lag < 0:
         raise ConfigError(f"setting max_policy_lag={config.max_policy_lag} must be >= 0 "
                           "(0: lock-step; K: collectors act with params up to K versions old)")

@@ -239,3 +239,32 @@ def render_run(run: SavedRun, path: str, episodes: int = 2, seed_index: int = 0,
     return {"path": path, "frames": n, "width": width, "height": height, "fps": drawer.fps,
             "checkpoint": run.checkpoint, "seed": seed_index,
             "episodes": [{"return": e.ret, "length": len(e.steps), "won": e.won} for e in played]}
+
+
+# the training flow's GIFs (RunConfig.render_every): one greedy episode, cut this short so
+# that drawing it costs a few seconds of one worker
+TRAINING_RENDER_STEPS = 25
+
+
+def render_checkpoint(run_dir: str, iteration: int, max_steps: int = TRAINING_RENDER_STEPS) -> dict | None:
+    """A Dask task of the training flow: one greedy episode (at most `max_steps` env steps)
+    of the run's checkpoint at `iteration` (the latest one before it where there is none
+    there), drawn as a GIF; returns render_run's summary with the GIF's bytes ("gif") and the
+    iteration asked for, or None while the run has no checkpoint at or before it."""
+    import tempfile
+
+    from pipelines.saved_run import load_run
+    from storage import Checkpointer
+
+    with Checkpointer(os.path.join(run_dir, "checkpoints")) as checkpoints:
+        steps = [s for s in checkpoints.all_steps() if s <= iteration]
+    if not steps:
+        return None
+    run = load_run(run_dir, checkpoint=steps[-1])
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "episode.gif")
+        done = render_run(run, path, episodes=1, max_steps=max_steps)
+        with open(path, "rb") as f:
+            gif = f.read()
+    return {**done, "path": None, "gif": gif, "iteration": iteration,
+            "env_steps": int(run.meta.get("env_steps", 0))}

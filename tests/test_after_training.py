@@ -1,6 +1,8 @@
 """After training, on one tiny real run (real checkpoints, real store): `marl eval`, `marl eval
 --render` (GIFs drawn by the envs' own visualisers), `marl export` + `marl.load_policy` (same
-actions as the learner), and the metric loggers read back, including a resumed run that appends."""
+actions as the learner), the metric loggers read back (CSV, TensorBoard, MLflow, W&B),
+including a resumed run that appends, the flow's GIF artifact (render_every), and `marl
+compare` averaging runs that differ only in their seed."""
 
 from __future__ import annotations
 
@@ -22,15 +24,24 @@ from flows.cli import main
 TINY = "qmix-smac-tiny"
 
 
+LOCAL_ONLY = {"WANDB_MODE": "offline", "MLFLOW_TRACKING_URI": None, "MLFLOW_EXPERIMENT_NAME": None,
+              "WANDB_PROJECT": None}  # the run dir's own MLflow store and W&B files, whatever the machine's
+
+
 @pytest.fixture(scope="module")
 def run(tmp_path_factory, prefect_server, dask_cluster):
-    """2 iterations of QMIX on smax:3m (checkpoint at 2, evaluated at 2), CSV and TensorBoard on."""
+    """2 iterations of QMIX on smax:3m (checkpoint at 2, evaluated at 2), CSV, TensorBoard
+    and MLflow on (W&B joins when the run resumes), the last evaluation rendered as a GIF."""
     from flows.train import marl_train
 
     run_dir = str(tmp_path_factory.mktemp("after") / "run")
-    result = marl_train(preset=TINY, run_dir=run_dir, env_steps=1024, loggers="csv,tensorboard",
-                        scheduler_address=dask_cluster.scheduler_address)
-    return {**result, "run_dir": run_dir}
+    with pytest.MonkeyPatch.context() as mp:
+        for name, value in LOCAL_ONLY.items():
+            mp.setenv(name, value) if value else mp.delenv(name, raising=False)
+        state = marl_train(preset=TINY, run_dir=run_dir, env_steps=1024, loggers="csv,tensorboard,mlflow",
+                           overrides={"render_every": "1"}, scheduler_address=dask_cluster.scheduler_address,
+                           return_state=True)
+    return {**state.result(), "run_dir": run_dir, "flow_run_id": state.state_details.flow_run_id}
 
 
 def cli(capsys, *args):
@@ -270,6 +281,14 @@ def test_loggers_write_every_iteration_and_the_evaluation(run):
                for v in e.summary.value if v.metadata.plugin_data.plugin_name == "hparams"]
     assert hparams and b"algo_overrides.hidden" in hparams[0].metadata.plugin_data.content
 
+    from test_loggers import csv_rows, mlflow_rows
+
+    logged, mlflow_run, client = mlflow_rows(run["run_dir"])  # its SQLite store in the run dir
+    assert logged == csv_rows(run["run_dir"]) and sorted(logged) == [512, 1024]
+    assert logged[1024]["test_win_rate"] == history[1]["test_win_rate"] and mlflow_run.info.status == "FINISHED"
+    assert mlflow_run.data.params["algo_overrides.hidden"] == "16" and mlflow_run.data.params["render_every"] == "1"
+    assert [a.path for a in client.list_artifacts(mlflow_run.info.run_id)] == ["learning_curve.png"]
+
 
 def test_missing_or_unknown_logger_is_one_line(monkeypatch, capsys):
     import importlib.util
@@ -284,6 +303,14 @@ def test_missing_or_unknown_logger_is_one_line(monkeypatch, capsys):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "tensorboardX" else real(name, *a))
     with pytest.raises(InputError, match=r"marl-dataflow\[tensorboard\]"):
         parse_loggers("csv,tensorboard")
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name in ("mlflow", "wandb") else real(name, *a))
+    for name, words in (("mlflow", "pip install 'marl-dataflow[mlflow]' (or pip install mlflow-skinny)"),
+                        ("wandb", "pip install 'marl-dataflow[wandb]' (or pip install wandb)")):
+        with pytest.raises(InputError) as e:
+            parse_loggers(f"csv,{name}")
+        assert str(e.value) == f"logger {name} needs {name}, which is not installed; {words}"
+    code, out, err = cli(capsys, "train", TINY, "--set", "render_every=-1")
+    assert code == 2 and err.count("\n") == 1 and "render_every=-1 must be >= 0" in err
 
 
 def test_runs_lists_the_run_and_compare_draws_its_curves(run, tmp_path, capsys):
@@ -318,6 +345,67 @@ def test_runs_lists_the_run_and_compare_draws_its_curves(run, tmp_path, capsys):
         assert code == 2 and out == "" and err.count("\n") == 1 and all(w in err for w in words), (args, err)
 
 
+def test_training_flow_attaches_the_last_evaluations_gif(run):
+    """render_every=1: the (only, last) evaluation at iteration 2 drawn from checkpoint 2 on a
+    worker, kept in the run dir and shown inline as a Prefect image artifact."""
+    import base64
+
+    from flows.artifacts import artifact_key
+    from pipelines.config import make_run_config
+    from pipelines.render import SMAX_DPI, TRAINING_RENDER_STEPS
+    from test_artifacts import read_flow_run_artifacts
+
+    config = make_run_config(TINY, run_dir=run["run_dir"])
+    artifacts = read_flow_run_artifacts(run["flow_run_id"])
+    image = artifacts[artifact_key(config, "render")]
+    assert image.type == "image" and image.data.startswith("data:image/gif;base64,")
+    path = os.path.join(run["run_dir"], "renders", "iteration-2.gif")
+    with open(path, "rb") as f:
+        assert base64.b64decode(image.data.split(",", 1)[1]) == f.read()
+    fmt, size, frames = gif(path)
+    assert fmt == "GIF" and size == (6 * SMAX_DPI, 5 * SMAX_DPI) and 1 < frames
+    assert f"qmix on smax:3m, checkpoint 2 (1,024 env steps): one greedy episode" in image.description
+    assert path in image.description and run["render"] == path
+    steps = int(image.description.split("one greedy episode, ")[1].split(" steps")[0])
+    assert 1 <= steps <= TRAINING_RENDER_STEPS
+    assert path in artifacts[artifact_key(config, "summary")].data
+
+
+@pytest.fixture(scope="module")
+def seed_1_run(run, tmp_path_factory, dask_cluster):
+    """The shared run's settings with --seed 1 (no GIF: render_every is not the experiment)."""
+    from flows.train import marl_train
+
+    run_dir = str(tmp_path_factory.mktemp("seed1") / "run")
+    marl_train(preset=TINY, run_dir=run_dir, env_steps=1024, seed=1, scheduler_address=dask_cluster.scheduler_address)
+    return run_dir
+
+
+def test_compare_averages_runs_that_differ_only_in_their_seed(run, seed_1_run, tmp_path, capsys):
+    figure = tmp_path / "seeds.png"
+    code, out, err = cli(capsys, "compare", run["run_dir"], seed_1_run, "--out", figure, "--metric", "return",
+                         "--metric", "test_return", "--json")
+    assert code == 0, err
+    report = json.loads(out)
+    assert [r["run_dir"] for r in report["runs"]] == [run["run_dir"], seed_1_run]  # each run's own, as before
+    (group,) = report["groups"]
+    assert group["run_dirs"] == [run["run_dir"], seed_1_run] and group["seeds"] == [0, 1]
+    rows = [read_csv(run["run_dir"]), read_csv(seed_1_run)]
+    for m in ("return", "test_return"):
+        finals = [float(r[-1][m]) for r in rows]
+        assert group[m]["final"] == pytest.approx(np.mean(finals)) and group[m]["n"] == 2
+        assert group[m]["final_std"] == pytest.approx(np.std(finals))
+    assert rows[0][-1]["return"] != rows[1][-1]["return"]  # two seeds, two results
+    means = [np.mean([float(r[i]["return"]) for r in rows]) for i in range(2)]
+    assert group["return"]["best"] == pytest.approx(max(means))
+    assert figure.read_bytes().startswith(b"\x89PNG")
+
+    code, out, err = cli(capsys, "compare", run["run_dir"], seed_1_run, "--out", figure)
+    assert code == 0 and "seeds 0, 1: mean +- std" in out and out.count(" +- ") >= 2
+    code, out, err = cli(capsys, "compare", run["run_dir"], seed_1_run, "--out", figure, "--separate", "--json")
+    assert code == 0 and json.loads(out)["groups"] == []
+
+
 def test_resumed_run_appends_and_marl_train_prints_only_the_bar_the_table_and_the_paths(run, dask_cluster, tmp_path):
     """Next to last in this module: it trains the shared run on, through `marl train` in a
     fresh process (its own imports, so banners and log lines would show), on the tests'
@@ -330,9 +418,10 @@ def test_resumed_run_appends_and_marl_train_prints_only_the_bar_the_table_and_th
     path = os.path.join(run["run_dir"], "metrics.csv")
     with open(path, "a") as f:
         f.write("3,1536,99.0\n4,20")  # logged, then killed mid-line before checkpoint 4
-    env = {**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value(), "PREFECT_HOME": str(tmp_path / "prefect")}
+    env = {**{k: v for k, v in os.environ.items() if k not in LOCAL_ONLY}, "WANDB_MODE": "offline",
+           "PREFECT_API_URL": PREFECT_API_URL.value(), "PREFECT_HOME": str(tmp_path / "prefect")}
     done = subprocess.run([os.path.join(os.path.dirname(sys.executable), "marl"), "train", TINY, "--run-dir",
-                           run["run_dir"], "--env-steps", "2048", "--logger", "csv,tensorboard", "--scheduler",
+                           run["run_dir"], "--env-steps", "2048", "--logger", "csv,tensorboard,mlflow,wandb", "--scheduler",
                            dask_cluster.scheduler_address], capture_output=True, text=True, env=env,
                           cwd=tmp_path, timeout=600)
     assert done.returncode == 0 and done.stderr == "", done.stderr
@@ -349,6 +438,19 @@ def test_resumed_run_appends_and_marl_train_prints_only_the_bar_the_table_and_th
     printed = re.search(r"iter +4 .* return +(-?[\d.]+)", done.stdout).group(1)
     assert f"{float(rows[3]['return']):.3f}" == printed and rows[2]["return"] != "99.0"
     assert [s for s, _ in read_scalars(run["run_dir"])["return"]] == [512, 1024, 1536, 2048]
+    # MLflow: the same run, now with iterations 3 and 4 (never the interrupted 99.0); W&B, enabled
+    # only now: iterations 1 and 2 from metrics.csv, then 3 and 4 as they were trained
+    from test_loggers import csv_rows, mlflow_rows, wandb_run
+
+    expected = csv_rows(run["run_dir"])
+    logged, mlflow_run, _ = mlflow_rows(run["run_dir"])
+    assert logged == expected and sorted(expected) == [512, 1024, 1536, 2048]
+    assert mlflow_run.info.status == "FINISHED" and mlflow_run.data.params["total_env_steps"] == "1024"
+    assert json.loads(mlflow_run.data.tags["marl.config"])["total_env_steps"] == 2048  # params: its first config
+    logged, config, other, ids, files = wandb_run(run["run_dir"])
+    assert logged == expected and len(ids) == len(files) == 1
+    assert config["total_env_steps"] == 2048 and config["algo_overrides"]["hidden"] == 16
+    assert other["learning_curve"][0] == 2048 and other["learning_curve"][1]["_type"] == "image-file"
 
 
 def test_quiet_train_prints_one_line(run, dask_cluster, capsys):
