@@ -8,6 +8,7 @@
 
 PATH is a replay store or a run dir holding one at <run_dir>/replay. info, episodes and export
 check every committed region first (verify's checks): damage is one line on stderr, exit 1.
+info and verify also take a derived group (a reanalysis output), checked the same way.
 """
 
 from __future__ import annotations
@@ -97,13 +98,26 @@ def _arrays_table(path: str, names: list[str]):
     return table
 
 
+def _derived_kind(path: str) -> str | None:
+    """'reanalysis' or 'derived' where PATH is a derived group, else None."""
+    import json
+
+    try:  # a reanalysis output is a derived group, not a store
+        with open(os.path.join(path, "zarr.json")) as fh:
+            kind = json.load(fh).get("attributes", {}).get("kind")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return kind if kind in ("reanalysis", "derived") else None
+
+
 def _derived_info(path: str) -> int:
-    """`replay info` of a derived group (a reanalysis output)."""
+    """`replay info` of a derived group (a reanalysis output), checked first."""
     from storage import StoreError
     from storage.derived import WRITTEN, DerivedGroup
 
     try:
         derived = DerivedGroup.open(path)
+        derived.check()
     except StoreError as e:
         return _fail(e)
     console, attrs = _console(), derived.attrs
@@ -122,19 +136,12 @@ def _derived_info(path: str) -> int:
 
 
 def cmd_replay_info(args) -> int:
-    import json
-
     import numpy as np
 
     from storage import ReplayStore, StoreError, open_replay
 
     path = store_path(args.path)
-    try:  # a reanalysis output is a derived group, not a store
-        with open(os.path.join(path, "zarr.json")) as fh:
-            kind = json.load(fh).get("attributes", {}).get("kind")
-    except (OSError, ValueError):
-        kind = None
-    if kind in ("reanalysis", "derived"):
+    if _derived_kind(path):
         return _derived_info(path)
     try:
         store = _checked(path)
@@ -172,10 +179,42 @@ def cmd_replay_info(args) -> int:
     return 0
 
 
+def _derived_verify(path: str, drop_damaged: bool) -> int:
+    """`replay verify` of a derived group: every written block's chunks and the marks."""
+    from storage import ReplayDamaged, StoreError
+    from storage.derived import DerivedGroup, _fix
+
+    try:
+        derived = DerivedGroup.open(path)
+        damage, counts = derived.verify()
+    except StoreError as e:
+        return _fail(e)
+    by_array: dict[str, list] = {}
+    for d in damage:
+        by_array.setdefault(d.array, []).append(d)
+    for name, found in by_array.items():  # one line per damaged array, as for a store
+        regions = sorted({d.region for d in found})
+        files = "; ".join(f"{d.key} {d.problem}" for d in found[:3])
+        more = f"; and {len(found) - 3} more" if len(found) > 3 else ""
+        print(f"{name}: block{'s' if len(regions) > 1 else ''} of region{'s' if len(regions) > 1 else ''} "
+              f"{', '.join(map(str, regions))} damaged ({files}{more})")
+    checked = (f"{counts['blocks']} written blocks, {counts['chunks']} chunks checked"
+               + ("" if counts["checksums"] else " (made before checksums: chunks decoded instead)"))
+    if not damage:
+        print(f"derived group at {os.path.abspath(path)}: {checked}, no damage")
+        return 0
+    regions = sorted({d.region for d in damage})
+    drop = " (--drop-damaged drops regions of replay stores only)" if drop_damaged else ""
+    return _fail(ReplayDamaged(f"derived group at {path}: {len(regions)} of {counts['blocks']} written "
+                               f"blocks damaged; {_fix(path)}{drop}"))
+
+
 def cmd_replay_verify(args) -> int:
     from storage import ReplayDamaged, ReplayStore, StoreError
 
     path = store_path(args.path)
+    if _derived_kind(path):
+        return _derived_verify(path, args.drop_damaged)
     remade = []
     try:
         try:
@@ -361,7 +400,7 @@ def add_commands(sub):
                           description="Reads every chunk of every committed region of every array and the "
                           "commit log; names each damaged array and its regions on one line each. Exit 0 and "
                           "a one-line summary when clean, 1 on damage.")
-    ver.add_argument("path", help=where)
+    ver.add_argument("path", help=f"{where}; or a derived group (a reanalysis output)")
     ver.add_argument("--drop-damaged", action="store_true",
                      help="drop the damaged regions from the commit log (and remake arrays whose metadata "
                      "is lost, empty), so a resumed run can go on; says how many")

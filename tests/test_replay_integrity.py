@@ -403,6 +403,115 @@ def test_a_resumed_run_stops_on_damage_in_one_line_and_goes_on_once_it_is_droppe
     assert cli("replay", "verify", run).returncode == 0
 
 
+# ------------------------------------------------------------ derived groups (reanalysis outputs)
+
+DERIVED_KINDS = {  # kind -> (damage it (group path ->), what the one line names)
+    "flipped-bytes": (lambda p: flip(f"{p}/score/c/1/0/0"), "score/c/1/0/0 fails its crc32c checksum"),
+    "truncated-chunk": (lambda p: truncate(f"{p}/score/c/2/0/0"), "score/c/2/0/0 fails its crc32c checksum"),
+    # block 3's flag chunk is all False, the fill value: still every chunk is on disk
+    "missing-chunk": (lambda p: os.remove(f"{p}/flag/c/3/0"), "flag/c/3/0 is missing"),
+    "damaged-coordinates": (lambda p: flip(f"{p}/region/c/0"), "region/c/0 fails its crc32c checksum"),
+    "damaged-written-mark": (lambda p: flip(f"{p}/written/c/2"), "written/c/2 fails its crc32c checksum"),
+    "missing-array": (lambda p: shutil.rmtree(f"{p}/flag"), "array 'flag' is missing"),
+    "bad-array-metadata": (lambda p: truncate(f"{p}/score/zarr.json"), "score/zarr.json is damaged"),
+}
+
+
+@pytest.fixture(scope="module")
+def derived(pristine, tmp_path_factory) -> str:
+    """A derived group over the pristine store's regions 1-4, every block written."""
+    from storage.derived import DerivedGroup
+
+    path = str(tmp_path_factory.mktemp("derived") / "reanalysis")
+    group = DerivedGroup.create(path, ReplayStore.open(pristine),
+                                {"score": Field((2,), "float32", ("agent",)), "flag": Field((), "bool", ())},
+                                {"checkpoint_step": 1}, kind="reanalysis")
+    for r in group.regions:
+        group.write_block(r, {"score": region_data(r)["reward"] + 0.5,
+                              "flag": np.full((T, N), r % 2 == 1) & (r != 3)})
+    return path
+
+
+def test_derived_groups_carry_checksums_and_verify_clean(derived):
+    import json
+
+    from storage.derived import open_derived
+
+    got = cli("replay", "verify", derived)
+    assert got.returncode == 0 and lines(got.stdout) == [
+        f"derived group at {derived}: 4 written blocks, 28 chunks checked, no damage"], got.stdout + got.stderr
+    for name in ("score", "flag", "region", "written"):  # zstd, then crc32c
+        with open(os.path.join(derived, name, "zarr.json")) as f:
+            assert [c["name"] for c in json.load(f)["codecs"]][-2:] == ["zstd", "crc32c"]
+    assert sorted(os.listdir(os.path.join(derived, "flag", "c"))) == ["0", "1", "2", "3"]  # fill chunks too
+    ds = open_derived(derived)
+    np.testing.assert_array_equal(ds.score.values[:T], region_data(1)["reward"] + 0.5)
+    assert cli("replay", "info", derived).returncode == 0
+
+
+@pytest.mark.parametrize("kind", list(DERIVED_KINDS))
+def test_a_damaged_derived_group_is_one_line_from_verify_info_and_reads(kind, derived, tmp_path):
+    """verify and info answer in one line naming the file and the fix (exit 1, nothing on
+    stdout but verify's per-array line, the group byte for byte as it was); open_derived
+    raises ReplayDamaged, never the fill value."""
+    from storage.derived import open_derived
+
+    damage, names = DERIVED_KINDS[kind]
+    path = str(tmp_path / "reanalysis")
+    shutil.copytree(derived, path)
+    damage(path)
+    before = tree_digest(path)
+    for cmd in ("verify", "info"):
+        got = cli("replay", cmd, path)
+        output = got.stdout + got.stderr
+        assert got.returncode == 1 and "Traceback" not in output, f"{cmd}: {output}"
+        errors = lines(got.stderr)
+        assert len(errors) == 1 and f"remove {path} and run the reanalysis again" in errors[0], f"{cmd}: {output}"
+        if cmd == "verify" and kind not in ("missing-array", "bad-array-metadata"):
+            assert len(lines(got.stdout)) == 1 and names in got.stdout, got.stdout  # the damaged array
+        else:
+            assert names in errors[0] and not got.stdout.strip(), f"{cmd}: {output}"
+    with pytest.raises(ReplayDamaged):
+        open_derived(path).load()
+    assert tree_digest(path) == before
+
+
+def test_reanalysis_of_a_damaged_store_stops_in_one_line_and_writes_nothing_partial(run_dir, tmp_path):
+    """`marl replay reanalyze` on a run dir whose region 1 is damaged: exit 1, the one
+    ReplayDamaged line with the fix, no output group, the run dir byte for byte as it was.
+    Damage that appears after the output group was made (the stage's plain functions): the
+    damaged region's score stops with ReplayDamaged, its block is never marked written, and
+    the group shows (and verifies) only the complete blocks."""
+    from pipelines import reanalyze
+    from storage.derived import DerivedGroup, open_derived
+
+    run = str(tmp_path / "run")
+    shutil.copytree(run_dir, run)
+    store = ReplayStore.open(os.path.join(run, "replay"))
+    key = store._chunk_keys("obs", store.slot_of(1))[0]
+    clean = str(tmp_path / "clean")
+    shutil.copytree(run, clean)
+    flip(os.path.join(run, "replay", key))
+    before = tree_digest(run)
+    got = cli("replay", "reanalyze", run)
+    output = got.stdout + got.stderr
+    assert got.returncode == 1 and "Traceback" not in output and not got.stdout.strip(), output
+    assert len(lines(got.stderr)) == 1 and f"first {key} fails its crc32c checksum" in got.stderr, output
+    assert f"marl replay verify {os.path.join(run, 'replay')} --drop-damaged" in got.stderr, output
+    assert tree_digest(run) == before and not os.path.exists(os.path.join(run, "reanalysis"))
+
+    job = reanalyze.prepare(reanalyze.plan(run_dir=clean))
+    flip(os.path.join(clean, "replay", key))  # damaged after the group was made
+    assert reanalyze.score_region(job, 0)["written"]
+    with pytest.raises(ReplayDamaged, match=f"chunk {key} fails its crc32c"):
+        reanalyze.score_region(job, 1)
+    reanalyze.clear_caches()
+    group = DerivedGroup.open(job["out"])
+    assert group.regions == [0, 1] and group.written() == [0]
+    assert group.check()["blocks"] == 1
+    assert sorted(set(open_derived(job["out"]).region.values.tolist())) == [0]
+
+
 # ------------------------------------------------------------ a full disk, a read-only run dir (item 4)
 
 
