@@ -1,7 +1,7 @@
 """The training flow's GIFs (`--set render_every=N`): every N-th evaluation, and the last one,
 one short greedy episode of the checkpoint at that iteration is drawn on a Dask worker
-(pipelines/render.py), kept as `<run_dir>/renders/iteration-<I>.gif` and shown as a Prefect
-image artifact (one key per run dir, so the UI keeps the history of renders).
+(pipelines/render.py), kept as `<run_dir>/renders/iteration-<I>.gif` and shown in a Prefect
+markdown artifact (one key per run dir, so the UI keeps the history of renders).
 
 The evaluated parameters themselves stay on the workers; the checkpoint of that iteration
 holds the same ones where checkpoint_every divides the iteration (the presets' evaluations
@@ -93,7 +93,9 @@ class TrainingRenders:
         return self.published["path"] if self.published else None
 
     def _publish(self, done: dict) -> None:
-        from prefect.artifacts import create_image_artifact
+        """A markdown artifact with the GIF inline (a data: URL, which the Prefect UI's markdown
+        shows as an image; an image artifact would also print the whole URL as its text)."""
+        from prefect.artifacts import create_markdown_artifact
 
         from flows.artifacts import artifact_key
 
@@ -111,9 +113,14 @@ class TrainingRenders:
         (episode,) = done["episodes"]
         which = (f"checkpoint {done['checkpoint']}" if done["checkpoint"] == done["iteration"] else
                  f"checkpoint {done['checkpoint']}, the latest at the evaluation of iteration {done['iteration']}")
-        create_image_artifact(url, key=artifact_key(c, "render"),
-                              description=f"{c.algo} on {c.env_id}, {which} ({done['env_steps']:,} env steps): "
-                              f"one greedy episode, {episode['length']} steps, return {episode['return']:.3g}"
-                              f"{', won' if episode['won'] else ''}; {done['frames']} frames of "
-                              f"{done['width']}x{done['height']}; {path}")
+        rows = [("policy", f"{which} ({done['env_steps']:,} env steps), greedy"),
+                ("episode", f"{episode['length']} env steps, return {episode['return']:.3g}, "
+                            f"{'won' if episode['won'] else 'not won'}"),
+                ("frames", f"{done['frames']} of {done['width']}x{done['height']} at {done['fps']} fps"),
+                ("file", f"`{path}`")]
+        markdown = "\n".join([f"# {c.preset}: {c.algo} on {c.env_id}, iteration {done['iteration']}", "",
+                               f"![one greedy episode]({url})", "", "| | |", "|---|---|",
+                               *(f"| {k} | {v} |" for k, v in rows)])
+        create_markdown_artifact(markdown, key=artifact_key(c, "render"),
+                                 description=f"{c.algo} on {c.env_id}, {which}: one greedy episode")
         self.published = {"iteration": done["iteration"], "path": path}

@@ -347,8 +347,9 @@ def test_runs_lists_the_run_and_compare_draws_its_curves(run, tmp_path, capsys):
 
 def test_training_flow_attaches_the_last_evaluations_gif(run):
     """render_every=1: the (only, last) evaluation at iteration 2 drawn from checkpoint 2 on a
-    worker, kept in the run dir and shown inline as a Prefect image artifact."""
+    worker, kept in the run dir and shown inline (a data: URL) in a Prefect markdown artifact."""
     import base64
+    import re
 
     from flows.artifacts import artifact_key
     from pipelines.config import make_run_config
@@ -357,18 +358,19 @@ def test_training_flow_attaches_the_last_evaluations_gif(run):
 
     config = make_run_config(TINY, run_dir=run["run_dir"])
     artifacts = read_flow_run_artifacts(run["flow_run_id"])
-    image = artifacts[artifact_key(config, "render")]
-    assert image.type == "image" and image.data.startswith("data:image/gif;base64,")
+    render = artifacts[artifact_key(config, "render")]
+    assert render.type == "markdown" and render.description == "qmix on smax:3m, checkpoint 2: one greedy episode"
+    (encoded,) = re.findall(r"!\[one greedy episode\]\(data:image/gif;base64,([A-Za-z0-9+/=]+)\)", render.data)
     path = os.path.join(run["run_dir"], "renders", "iteration-2.gif")
     with open(path, "rb") as f:
-        assert base64.b64decode(image.data.split(",", 1)[1]) == f.read()
+        assert base64.b64decode(encoded) == f.read()
     fmt, size, frames = gif(path)
     assert fmt == "GIF" and size == (6 * SMAX_DPI, 5 * SMAX_DPI) and 1 < frames
-    assert f"qmix on smax:3m, checkpoint 2 (1,024 env steps): one greedy episode" in image.description
-    assert path in image.description and run["render"] == path
-    steps = int(image.description.split("one greedy episode, ")[1].split(" steps")[0])
-    assert 1 <= steps <= TRAINING_RENDER_STEPS
-    assert path in artifacts[artifact_key(config, "summary")].data
+    assert "| policy | checkpoint 2 (1,024 env steps), greedy |" in render.data and f"| file | `{path}` |" in render.data
+    steps = int(re.search(r"\| episode \| (\d+) env steps, return", render.data).group(1))
+    drawn = int(re.search(r"\| frames \| (\d+) of 480x400 at 8 fps \|", render.data).group(1))
+    assert 1 <= steps <= TRAINING_RENDER_STEPS and drawn == 4 * steps >= frames  # (Pillow merges equal frames)
+    assert run["render"] == path and path in artifacts[artifact_key(config, "summary")].data
 
 
 @pytest.fixture(scope="module")
