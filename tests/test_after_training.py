@@ -373,6 +373,22 @@ def test_training_flow_attaches_the_last_evaluations_gif(run):
     assert run["render"] == path and path in artifacts[artifact_key(config, "summary")].data
 
 
+def test_training_renders_come_every_nth_evaluation_from_the_checkpoint_at_or_before_it(run):
+    """Which evaluations are drawn, and from which checkpoint: the run has checkpoint 2 only."""
+    from flows.renders import TrainingRenders
+    from pipelines.config import make_run_config
+    from pipelines.render import render_checkpoint
+
+    every_2nd = TrainingRenders(None, make_run_config(TINY, overrides={"render_every": "2"}), None)  # eval_every=2
+    assert [i for i in range(1, 13) if every_2nd.due({"iteration": i, "test_win_rate": 0.0})] == [4, 8, 12]
+    assert not every_2nd.due({"iteration": 4}) and not TrainingRenders(None, make_run_config(TINY), None).due(
+        {"iteration": 4, "test_win_rate": 0.0})
+    assert render_checkpoint(run["run_dir"], 1) is None  # no checkpoint yet at iteration 1
+    done = render_checkpoint(run["run_dir"], 3, max_steps=2)
+    assert (done["iteration"], done["checkpoint"], done["env_steps"]) == (3, 2, 1024)
+    assert done["gif"].startswith(b"GIF8") and done["frames"] == 4 * done["episodes"][0]["length"] <= 8
+
+
 @pytest.fixture(scope="module")
 def seed_1_run(run, tmp_path_factory, dask_cluster):
     """The shared run's settings with --seed 1 (no GIF: render_every is not the experiment)."""
