@@ -95,8 +95,9 @@ class RunConfig:
 
 
 # QMIX's ring: 1M transitions per seed (PyMARL and PARL keep 5,000 episodes, ~300k transitions
-# on these maps). The 3m runs that reached 0.9 did so by 320k-600k env steps, before a 1M ring
-# overwrites anything; larger maps get the ring fitted to the learner's memory (memory.py).
+# on these maps), so a 1M-step 3m run overwrites nothing (a 131k ring measured 0.03-0.06 better
+# mid-run, inside the seeds' spread); larger maps get the ring fitted to the learner's memory
+# (memory.py).
 _QMIX_SMAC = dict(
     algo="qmix", env_id="smax:3m", total_env_steps=2_500_000, n_collectors=1,
     envs_per_collector=32, steps_per_region=32, buffer_transitions=1_000_000,
@@ -126,9 +127,10 @@ _MADDPG_MPE = dict(
 )
 
 PRESETS: dict[str, dict] = {
-    # tuned on a 2-core CPU (BENCHMARKS.md): greedy test win rate >= 0.9 on 3m after
-    # 320k-600k env steps depending on the seed. Env steps are nearly free here, so one
-    # update per 32 collected steps, short windows and a low final epsilon buy the most.
+    # tuned on a 2-core CPU (BENCHMARKS.md): greedy test win rate 0.83 +- 0.01 on 3m at 1M env
+    # steps over 3 seeds (one old seed reached 0.95, another never learned). Env steps are
+    # nearly free here, so one update per 32 collected steps, short windows and a low final
+    # epsilon buy the most.
     "qmix-smac": _QMIX_SMAC,
     # QMIX's relatives on the same settings: only the mixer differs
     "vdn-smax": {**_QMIX_SMAC, "algo": "vdn"},
