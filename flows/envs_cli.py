@@ -59,7 +59,7 @@ def cmd_envs(args) -> int:
               f"{r['backend']:7s} {r['limit']:>5d}  {r['actions']}{', masked' if r['masked'] else ''}"
               f"{_teams(r['teams'])}")
     print("any other importable PettingZoo ParallelEnv: pz:<module>.<env> (CPU); env kwargs: "
-          "--set env_kwargs='{\"max_steps\": 50}'; teams: --set train_team=TEAM opponent=random|noop|EXPORT_DIR")
+          "--set env_kwargs='{\"max_steps\": 50}'; teams: --set train_team=TEAM opponent=random|noop|EXPORT_DIR, or train_team=each")
     return 0
 
 

@@ -104,6 +104,10 @@ def module_for(algo: str):
 
 
 def make_learner(algo: str, spec: EnvSpec, config):
+    if spec.teams:  # train_team=each: one learner per team (marl/teams.py)
+        from marl.teams import team_learners
+
+        return team_learners(module_for(algo).make_learner, algo, spec, config)
     return module_for(algo).make_learner(spec, config)
 
 

@@ -55,6 +55,9 @@ class EnvSpec:
     has_avail_actions: bool  # the env restricts actions (SMAX); otherwise masks are all ones
     episode_limit: int
     backend: str  # "jax" (jit/vmap) or "numpy" (PettingZoo on CPU workers)
+    # train_team=each: one learner per team, (name, agents, obs_dim, n_actions, action_dim)
+    # each (marl.teams.team_learners); () trains every agent as one team
+    teams: tuple = ()
 
     @property
     def n_agents(self) -> int:
@@ -69,7 +72,8 @@ class EnvSpec:
 
     @classmethod
     def from_dict(cls, d: dict) -> "EnvSpec":
-        return cls(**{**d, "agents": tuple(d["agents"])})
+        teams = tuple((t[0], tuple(t[1]), *t[2:]) for t in d.get("teams", ()))
+        return cls(**{**d, "agents": tuple(d["agents"]), "teams": teams})
 
 
 class Timestep(NamedTuple):
@@ -633,6 +637,10 @@ def make(env_id: str, **kwargs):
     env = _make(env_id, **kwargs)
     groups, train_team, opponent = team_settings.resolve(env_id, env.spec.agents, **settings)
     if train_team is None:
+        env.teams = groups
+        return env
+    if train_team == team_settings.EACH:  # every agent acts through the learner, one per team
+        env.spec = dataclasses.replace(env.spec, teams=team_settings.learning_teams(env, groups))
         env.teams = groups
         return env
     if isinstance(env, PettingZooEnv):

@@ -24,6 +24,10 @@ cooperative env and need no change. The other agents act inside the step with th
 or the directory of a policy written by `marl export` (played greedily with its learner's
 own pure-JAX act, jitted inside the env step of JAX envs). The reward is the training
 team's own; `won` (SMAX) is the allies' win, so it stays False for a training enemy team.
+
+With `train_team=each` every team learns: the env stays whole (all agents act through the
+learner) and its spec lists the teams (`EnvSpec.teams`), for which marl.algos.make_learner
+builds one learner per team (`team_learners`) that the stages drive as one.
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ import numpy as np
 from marl.envs import EnvError, EnvSpec, JaxEnv, Timestep
 
 TEAM_SETTINGS = ("teams", "train_team", "opponent")
+EACH = "each"  # train_team=each: every team learns, one learner each (team_learners)
 FIXED_OPPONENTS = ("random", "noop")
 
 
@@ -139,6 +144,12 @@ def resolve(env_id: str, agents, teams=None, train_team=None, opponent=None):
                            f"{', '.join(parsed)}); e.g. --set train_team={list(parsed)[-1]} opponent={opponent}")
         return parsed, None, None
     train_team = str(train_team)
+    if train_team == EACH:
+        if len(parsed) == 1 or opponent:
+            why = "has one team" if len(parsed) == 1 else f"has no fixed opponent (opponent={opponent})"
+            raise EnvError(f"{env_id}: train_team={EACH} (a learner per team) {why}; "
+                           + ("split its agents with --set teams=..." if len(parsed) == 1 else "drop opponent"))
+        return parsed, EACH, None
     if train_team not in parsed:
         raise EnvError(f"{env_id}: train_team={train_team} is not one of its teams ({', '.join(parsed)}); "
                        f"pass one of those, or name the teams with {_example(agents)}")
@@ -401,3 +412,161 @@ def team_pettingzoo_factory(env_id: str, factory, agents, teams: dict, train_tea
         return TeamParallelEnv(factory(), teams[train_team], others, fixed, layout, obs_dim, env_id)
 
     return team_factory
+
+
+# ------------------------------------------------- every team learning: one learner each
+
+
+def own_sizes(env) -> tuple[dict, dict]:
+    """({agent: its own flat obs size}, {agent: its own action count or dims}) of a JaxEnv
+    or PettingZooEnv (before any padding)."""
+    from marl.envs import _flat_np
+
+    agents = env.spec.agents
+    if env.spec.backend == "jax":
+        obs, _ = jax.eval_shape(env.env.reset, jax.random.PRNGKey(0))
+        obs = {a: sum(int(np.prod(x.shape)) for x in jax.tree.leaves(obs[a])) for a in agents}
+    else:
+        probe = env.factory()
+        first, _ = probe.reset(seed=0)
+        obs = {a: _flat_np(first[a]).size for a in agents}
+        probe.close()
+    return obs, dict(zip(agents, env.action_sizes))
+
+
+def learning_teams(env, groups: dict) -> tuple:
+    """EnvSpec.teams for `train_team=each`: (name, agents, obs_dim, n_actions, action_dim)
+    per team, its widths the widest of its own agents' (as the team's view has them)."""
+    obs, actions = own_sizes(env)
+    spec = env.spec
+    out = []
+    for name, members in groups.items():
+        sizes = _team_sizes(spec.agents, obs, actions, spec, members)
+        out.append((name, tuple(members), sizes["obs_dim"], sizes["n_actions"], sizes["action_dim"]))
+    return tuple(out)
+
+
+def team_spec(spec: EnvSpec, team) -> EnvSpec:
+    """The spec one team's learner sees (its agents and widths; the env's global state)."""
+    import dataclasses
+
+    name, members, obs_dim, n_actions, action_dim = team
+    return dataclasses.replace(spec, agents=tuple(members), obs_dim=obs_dim, n_actions=n_actions,
+                               action_dim=action_dim, teams=())
+
+
+# where each transition field keeps its agent axis (counted from the end) and the width after it
+_AGENT_FIELDS = {"obs": (2, "obs_dim"), "avail_actions": (2, "mask"), "reward": (1, None)}
+
+
+def team_learners(make_one, algo: str, spec: EnvSpec, config):
+    """One learner per team of `spec.teams` (each `make_one(team spec, config)`, the same
+    algorithm and settings), as one Learner the stages drive unchanged: its train state,
+    policy params, recurrent carry and explore settings are {team: ...}; `act` splits the
+    obs by team and joins the actions; each team's extras are stored as `<name>_<team>`
+    (their `agent` dim renamed `<team>_team`); `train` and `update` give each team's
+    learner its agents' obs, masks, actions and rewards (and the shared state and flags)
+    and report its metrics as `<team>_<metric>`. The checkpoint holds every team's train
+    state under its name (train_state["teams"][team])."""
+    from marl.learner import Learner
+
+    teams = spec.teams
+    subs = {t[0]: make_one(team_spec(spec, t), config) for t in teams}
+    index = {t[0]: np.array([spec.agents.index(a) for a in t[1]]) for t in teams}
+    widths = {t[0]: dict(obs_dim=t[2], mask=t[3] if spec.discrete else 1, act=t[4]) for t in teams}
+    on_policy = {s.on_policy for s in subs.values()}
+
+    def extra_name(name, team):
+        return f"{name}_{team}"
+
+    extra_fields = {}
+    for team, sub in subs.items():
+        for name, (shape, dtype, dims) in sub.extra_fields.items():
+            extra_fields[extra_name(name, team)] = (
+                tuple(shape), dtype, tuple(f"{team}_team" if d == "agent" else d for d in dims))
+
+    def team_batch(batch: dict, team: str) -> dict:
+        """The fields of `team` (any leading layout: ring [slot, T, N], windows [B, L])."""
+        idx, w = index[team], widths[team]
+        out = {}
+        for key, value in batch.items():
+            if key in _AGENT_FIELDS:
+                back, width = _AGENT_FIELDS[key]
+                axis = value.ndim - back
+                value = jnp.take(value, idx, axis=axis)
+                if width is not None:
+                    value = value[..., : w[width]]
+                out[key] = value
+            elif key == "action":
+                back = 1 if spec.discrete else 2
+                value = jnp.take(value, idx, axis=value.ndim - back)
+                out[key] = value if spec.discrete else value[..., : w["act"]]
+            else:
+                out[key] = value
+        for name in list(out):  # the other teams' extras out, this team's under their own names
+            for other in subs:
+                suffix = f"_{other}"
+                if name.endswith(suffix) and name[: -len(suffix)] in subs[other].extra_fields:
+                    value = out.pop(name)
+                    if other == team:
+                        out[name[: -len(suffix)]] = value
+                    break
+        return out
+
+    def init(key):
+        keys = jax.random.split(key, len(subs))
+        states = {team: sub.init(k) for (team, sub), k in zip(subs.items(), keys)}
+        return {"teams": states, "updates": _updates(states)}
+
+    def _updates(states):
+        return jnp.max(jnp.stack([jnp.asarray(s["updates"]) for s in states.values()]))
+
+    def init_carry(n_envs):
+        return {team: sub.init_carry(n_envs) for team, sub in subs.items()}
+
+    def act(params, carry, obs, avail, reset, key, explore):
+        n = obs.shape[0]
+        if spec.discrete:
+            actions = jnp.zeros((n, spec.n_agents), jnp.int32)
+        else:
+            actions = jnp.zeros((n, spec.n_agents, spec.action_dim), jnp.float32)
+        carries, extras = {}, {}
+        for (team, sub), k in zip(subs.items(), jax.random.split(key, len(subs))):
+            idx, w = index[team], widths[team]
+            a, carries[team], e = sub.act(params[team], carry[team], obs[:, idx, : w["obs_dim"]],
+                                          avail[:, idx, : w["mask"]], reset, k, explore[team])
+            if spec.discrete:
+                actions = actions.at[:, idx].set(a.astype(jnp.int32))
+            else:
+                actions = actions.at[:, idx, : a.shape[-1]].set(a.astype(jnp.float32))
+            extras.update({extra_name(name, team): v for name, v in e.items()})
+        return actions, carries, extras
+
+    def policy_params(train_state):
+        return {team: sub.policy_params(train_state["teams"][team]) for team, sub in subs.items()}
+
+    def exploration(env_steps):
+        return {team: sub.exploration(env_steps) for team, sub in subs.items()}
+
+    def _metrics(per_team: dict) -> dict:
+        return {f"{team}_{name}": value for team, m in per_team.items() for name, value in m.items()}
+
+    def update(train_state, batch):
+        states, metrics = {}, {}
+        for team, sub in subs.items():
+            states[team], metrics[team] = sub.update(train_state["teams"][team], team_batch(batch, team))
+        return {"teams": states, "updates": _updates(states)}, _metrics(metrics)
+
+    def train(train_state, arrays, ring, n_updates: int):
+        states, metrics = {}, {}
+        for team, sub in subs.items():
+            states[team], metrics[team] = sub.train(train_state["teams"][team], team_batch(arrays, team),
+                                                    ring, n_updates)
+        return {"teams": states, "updates": _updates(states)}, _metrics(metrics)
+
+    first = next(iter(subs.values()))
+    return Learner(
+        name=f"{algo} per team ({', '.join(subs)})", config=config, spec=spec, init=init, act=act,
+        init_carry=init_carry, policy_params=policy_params, exploration=exploration,
+        greedy={team: sub.greedy for team, sub in subs.items()}, update=update, train=train,
+        on_policy=on_policy.pop() if len(on_policy) == 1 else first.on_policy, extra_fields=extra_fields)

@@ -186,3 +186,41 @@ def test_a_pettingzoo_team_collects_against_a_fixed_opponent(tmp_path):
     data = ReplayStore.open(config.store_path).read_region(0)
     assert data["obs"].shape == (30, 2, 1, 8) and data["action"].shape == (30, 2, 1)
     assert data["truncated"].any()  # through an episode end (25 steps) and its auto-reset
+
+
+def test_every_team_learns_with_its_own_learner_and_replay_fields(tmp_path, capfd):
+    config = make_run_config(TINY, env_id=ADVERSARY, run_dir=str(tmp_path / "run"), n_collectors=1,
+                             total_env_steps=64, overrides={"train_team": "each", "envs_per_collector": "4",
+                                                            "steps_per_region": "16", "hidden": "16"})
+    spec = checks.check_env(config)
+    assert spec.agents == ("adversary_0", "agent_0", "agent_1")  # every agent acts through the learner
+    assert [t[:3] for t in spec.teams] == [("adversary", ("adversary_0",), 8), ("agent", ("agent_0", "agent_1"), 10)]
+    cfg = config.to_dict()
+    try:
+        stages.prepare_run(cfg)
+        before = stages.policy_params(cfg)
+        stats = stages.collect(cfg, 0, 0, before, 0, 0)
+        out = stages.train(cfg, 0, 64, True, [stats])
+        stages.clear_caches()
+        restored = stages.policy_params(cfg)  # a fresh learner, from the checkpoint
+    finally:
+        stages.clear_caches()
+    assert set(out["params"]) == {"adversary", "agent"}
+    for team in ("adversary", "agent"):  # each team's learner updated its own actor
+        assert f"{team}_actor_loss" in out["metrics"] and np.isfinite(out["metrics"][f"{team}_value_loss"])
+        moved = jax.tree.map(lambda a, b: np.abs(np.asarray(a) - np.asarray(b)).max(), before[team], out["params"][team])
+        assert max(jax.tree.leaves(moved)) > 0
+        jax.tree.map(np.testing.assert_array_equal, restored[team], out["params"][team])
+    ds = open_replay(config.store_path)
+    assert ds.sizes["agent"] == 3 and ds.logp_adversary.dims == ("step", "env", "adversary_team")
+    assert ds.sizes["adversary_team"] == 1 and ds.sizes["agent_team"] == 2
+    # the behaviour log-probabilities are each team's own policy's: finite, and no agent's is the other team's
+    assert np.isfinite(ds.logp_adversary.values).all() and np.isfinite(ds.logp_agent.values).all()
+    # the export plays every team, each with its own params
+    out_dir = tmp_path / "both"
+    assert main(["export", config.run_dir, "--out", str(out_dir)]) == 0, capfd.readouterr().err
+    policy = load_policy(str(out_dir))
+    actions, _ = policy.act(np.asarray(ds.obs.values[0, 0]))
+    assert actions.shape == (3,) and policy.spec.teams == spec.teams
+    with pytest.raises(envs.EnvError, match="train_team=each .* has one team"):
+        envs.make("mpe:simple_spread", train_team="each")
