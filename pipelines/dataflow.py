@@ -76,6 +76,9 @@ class LearnerLost(RunStopped):
 # paused by Dask (memory) before the run stops: no wait is unbounded
 LIVENESS_S = 2.0
 PAUSED_LIMIT_S = 60.0
+# how long a cluster that has lost every worker gets for its nannies to start them again
+# (each restart imports JAX afresh: seconds, more on a loaded machine) before the run stops
+REJOIN_S = 30.0
 
 
 class Watch:
@@ -116,6 +119,8 @@ class Watch:
         info = workers.get(self.learner)
         if info is None:  # (with every other worker, maybe: then it is the likelier cause)
             lost, for_memory = self._lost()
+            if not workers and not for_memory:  # all killed at once: nannies may restart them
+                workers = self._rejoined()
             if workers and not for_memory:  # a memory restart would only recur elsewhere
                 raise LearnerLost(f"{lost} during {self.doing}; {resume}")
             left = "" if workers else " (and no worker is left)"
@@ -129,6 +134,19 @@ class Watch:
             raise RunStopped(
                 f"the learner's worker {self.learner} was paused by Dask for {PAUSED_LIMIT_S:.0f} s at "
                 f"{_memory(info)} during {self.doing}; {_LOWER}, then {resume}")
+
+    def _rejoined(self) -> dict:
+        """The workers that joined within REJOIN_S (none: the run cannot go on)."""
+        deadline = time.monotonic() + REJOIN_S
+        while time.monotonic() < deadline:
+            time.sleep(LIVENESS_S / 2)
+            try:
+                workers = self.client.scheduler_info()["workers"]
+            except Exception as e:
+                raise _unreachable(e, self.run_dir) from None
+            if workers:
+                return workers
+        return {}
 
     def _lost(self) -> tuple[str, bool]:
         """What happened to the learner's worker, and whether Dask restarted it for memory."""

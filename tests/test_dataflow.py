@@ -156,17 +156,16 @@ def test_a_killed_evaluator_mid_evaluation_is_resubmitted(tmp_path, three_worker
     assert [r for r, _ in store.committed()] == list(range(iterations * 2))
 
 
-def test_a_killed_learner_moves_to_another_worker_and_the_run_completes(tmp_path, three_workers):
-    # its tasks are pinned to its worker, so Dask alone would wait for it forever: the
-    # learner moves to another worker from its last checkpoint and the run goes on
-    client = three_workers
+def _run_killing(client, run_dir, victims):
+    """A 24-iteration run whose `victims(client, learner)` workers are SIGKILLed once a
+    checkpoint and 12 regions are on disk; returns (config, rows, [(start iteration, learner)])."""
     iterations = 24
-    config = make_run_config(TINY, run_dir=str(tmp_path / "learner"), total_env_steps=iterations * 512,
+    config = make_run_config(TINY, run_dir=str(run_dir), total_env_steps=iterations * 512,
                              overrides={"learning_starts": "1", "eval_every": "8"})
     cfg = config.to_dict()
     starts, outcome = [], {}
     first_learner = Placement.on(client, config).learner
-    pid = client.run(os.getpid, workers=[first_learner])[first_learner]
+    pids = client.run(os.getpid, workers=victims(client, first_learner))
 
     def prepare(worker):
         return client.submit(stages.prepare_run, cfg, workers=[worker], pure=False).result(timeout=120)
@@ -185,13 +184,11 @@ def test_a_killed_learner_moves_to_another_worker_and_the_run_completes(tmp_path
         d.isdigit() for d in os.listdir(config.checkpoint_dir))
     while thread.is_alive() and not (checkpointed() and len(os.listdir(commits)) >= 12):
         time.sleep(0.05)
-    os.kill(pid, signal.SIGKILL)
-    thread.join(timeout=240)
+    for pid in pids.values():
+        os.kill(pid, signal.SIGKILL)
+    thread.join(timeout=300)
     assert not thread.is_alive(), "the run waited for its dead learner"
     assert "error" not in outcome, outcome
-    # one move, from a checkpoint, to a live worker
-    assert len(starts) == 2 and starts[0] == (0, first_learner)
-    assert 0 < starts[1][0] < iterations and starts[1][1] != first_learner
     rows = outcome["rows"]
     assert [r["iteration"] for r in rows] == list(range(1, iterations + 1))
     # every region committed, each once, and the learner trained each iteration once from
@@ -199,6 +196,23 @@ def test_a_killed_learner_moves_to_another_worker_and_the_run_completes(tmp_path
     store = ReplayStore.open(config.store_path)
     assert sorted(r for r, _ in store.committed()) == list(range(iterations * 2))
     assert int(final_train_state(config)["updates"]) == iterations * 2 * 2  # regions x updates_per_region
+    # one move, from a checkpoint, to a live worker
+    assert len(starts) == 2 and starts[0] == (0, first_learner)
+    assert 0 < starts[1][0] < iterations and starts[1][1] != first_learner
+    return config, rows, starts
+
+
+def test_a_killed_learner_moves_to_another_worker_and_the_run_completes(tmp_path, three_workers):
+    # its tasks are pinned to its worker, so Dask alone would wait for it forever: the
+    # learner moves to another worker from its last checkpoint and the run goes on
+    _run_killing(three_workers, tmp_path / "learner", lambda client, learner: [learner])
+
+
+def test_every_worker_killed_at_once_the_run_goes_on_when_they_restart(tmp_path, three_workers):
+    # (the module's last test: it kills the shared cluster's workers) the scheduler is left
+    # with no worker for a moment; their nannies start new ones, and the learner moves there
+    everyone = lambda client, learner: list(client.scheduler_info()["workers"])
+    _run_killing(three_workers, tmp_path / "everyone", everyone)
 
 
 def _leaves(tree, path=""):
