@@ -25,6 +25,30 @@ def _walk(tree: Any, path: str = ""):
         yield path or "/", tree
 
 
+# errno -> what to do, for a checkpoint write that the file system refused
+_WRITE_ERRNOS = {28: "free space there", 30: "remount it writable", 13: "make it writable",
+                 122: "raise the disk quota"}
+
+
+def _write_error(error: Exception, directory: str, step: int, latest: int | None) -> Exception:
+    """A one-line StoreError for a save that failed for lack of space (or a read-only or
+    unwritable directory); any other error unchanged."""
+    import errno as errnos
+    import re
+
+    code = getattr(error, "errno", None)
+    if code not in _WRITE_ERRNOS:
+        found = re.search(r"os_error_code='(\d+)'", str(error))
+        code = int(found.group(1)) if found else next(
+            (n for n in _WRITE_ERRNOS if os.strerror(n) in str(error)), None)
+    if code not in _WRITE_ERRNOS:
+        return error
+    kept = f"checkpoint {latest} is intact" if latest is not None else "no earlier checkpoint"
+    return StoreError(f"checkpoint {step} could not be written to {directory}: {os.strerror(code)} "
+                      f"({errnos.errorcode.get(code, code)}); {_WRITE_ERRNOS[code]} ({kept}), then run the "
+                      f"same command to resume")
+
+
 class Checkpointer:
     """Save and restore learner state (a pytree) plus JSON metadata under ``directory``."""
 
@@ -75,16 +99,44 @@ class Checkpointer:
                 f"checkpoint step {step} is older than the latest step {latest} in "
                 f"{self.directory}; save with a step > {latest} or use a new directory"
             )
-        self._manager.save(
-            step,
-            args=ocp.args.Composite(
-                state=ocp.args.StandardSave(state),
-                metadata=ocp.args.JsonSave(metadata),
-            ),
-            force=True,
-        )
-        if wait:
-            self._manager.wait_until_finished()
+        self._check_space(step, state, latest)
+        try:
+            self._manager.save(
+                step,
+                args=ocp.args.Composite(
+                    state=ocp.args.StandardSave(state),
+                    metadata=ocp.args.JsonSave(metadata),
+                ),
+                force=True,
+            )
+            if wait:
+                self._manager.wait_until_finished()
+        except Exception as e:  # orbax/tensorstore wrap a full disk in ValueErrors of many lines
+            one_line = _write_error(e, self.directory, step, latest)
+            if one_line is e:
+                raise
+            raise one_line from None
+
+    def _check_space(self, step: int, state: dict, latest: int | None) -> None:
+        """A one-line StoreError before orbax writes anything where the file system lacks the
+        room for the checkpoint (twice the state's bytes plus 1 MiB of metadata: orbax's own
+        errors there are screens of tensorstore specs, and its threads print more)."""
+        need = 2 * sum(int(getattr(leaf, "nbytes", 8)) for _, leaf in _walk(state)) + 2**20
+        where = self.directory
+        while not os.path.exists(where):
+            where = os.path.dirname(where)
+        stat = os.statvfs(where)
+        free = stat.f_bavail * stat.f_frsize
+        kept = f"checkpoint {latest} is intact" if latest is not None else "no earlier checkpoint"
+        # refused before orbax starts: its threads wait minutes for a step directory that
+        # cannot be made, then print their own tracebacks
+        for code, refused in ((30, stat.f_flag & os.ST_RDONLY), (13, not os.access(where, os.W_OK))):
+            if refused:
+                raise _write_error(OSError(code, os.strerror(code)), self.directory, step, latest)
+        if free < need:
+            raise StoreError(f"checkpoint {step} could not be written to {self.directory}: No space left on "
+                             f"device (ENOSPC: {free / 2**20:.1f} MiB free, it needs about {need / 2**20:.1f} "
+                             f"MiB); free space there ({kept}), then run the same command to resume")
 
     def wait(self) -> None:
         self._manager.wait_until_finished()

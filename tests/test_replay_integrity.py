@@ -559,3 +559,91 @@ def test_a_full_or_read_only_disk_stops_writes_in_one_line_and_keeps_what_is_com
                                                    param_version=failed)
     assert [r for r, _ in ReplayStore.open(path).committed()] == [*committed, failed]
     assert ReplayStore.open(path).verify()[0] == []
+
+
+def test_a_checkpoint_write_on_a_full_or_read_only_disk_is_one_line_and_keeps_the_last_one(tiny_fs):
+    """Checkpointer.save on a real tmpfs, full and then read-only (both checked before orbax
+    writes: its own errors are screens of tensorstore spec, and on a read-only disk its
+    threads wait minutes for the step directory): StoreError naming the errno and the fix,
+    the previous checkpoint restores; with space again the save goes on."""
+    from storage import Checkpointer
+
+    directory = str(tiny_fs / "checkpoints")
+    subprocess.run(["mount", "-o", "remount,size=8m", str(tiny_fs)], check=True)
+    state = {"w": np.arange(50_000, dtype="float32"), "step": np.ones(1, "int64")}
+    with Checkpointer(directory) as checkpoints:
+        checkpoints.save(1, state, {"iteration": 1})
+    subprocess.run(["mount", "-o", "remount,size=1m", str(tiny_fs)], check=True)  # 200 KB of state: 1 MiB is full
+    with Checkpointer(directory) as checkpoints, pytest.raises(StoreError) as full:
+        checkpoints.save(2, {**state, "w": state["w"] + 1}, {"iteration": 2})
+    subprocess.run(["mount", "-o", "remount,ro,size=8m", str(tiny_fs)], check=True)
+    with Checkpointer(directory) as checkpoints, pytest.raises(StoreError) as read_only:
+        checkpoints.save(2, {**state, "w": state["w"] + 1}, {"iteration": 2})
+    for error, says in ((full, "No space left on device (ENOSPC"), (read_only, "Read-only file system (EROFS)")):
+        message = str(error.value)
+        assert says in message and "\n" not in message and len(message) < 300, message
+        assert "checkpoint 1 is intact" in message and "run the same command to resume" in message, message
+    subprocess.run(["mount", "-o", "remount,rw,size=8m", str(tiny_fs)], check=True)
+    with Checkpointer(directory) as checkpoints:
+        assert checkpoints.all_steps() == [1]
+        restored, meta = checkpoints.restore(1, target=state)
+        np.testing.assert_array_equal(restored["w"], state["w"]) and meta == {"iteration": 1}
+        checkpoints.save(2, {**state, "w": state["w"] + 1}, {"iteration": 2})
+        assert checkpoints.all_steps() == [1, 2]
+
+
+@pytest.fixture
+def full_checkpoints(run_dir, tmp_path):
+    """A copy of the tiny run (regions 0 and 1, checkpoint 1) whose checkpoints/ is a real
+    tmpfs with one checkpoint on it and 8 KiB free (needs root: mount); skipped where it
+    cannot be made."""
+    run = tmp_path / "run"
+    shutil.copytree(run_dir, run)
+    saved = tmp_path / "saved"
+    shutil.move(run / "checkpoints", saved)
+    where = run / "checkpoints"
+    where.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(where)],
+                      capture_output=True).returncode != 0:
+        pytest.skip("cannot mount a tmpfs here (not root)")
+    try:
+        shutil.copytree(saved, where, dirs_exist_ok=True)
+        st = os.statvfs(where)
+        used_kib = (st.f_blocks - st.f_bfree) * st.f_frsize // 1024
+        subprocess.run(["mount", "-o", f"remount,size={used_kib + 8}k", str(where)], check=True)
+        yield run
+    finally:
+        subprocess.run(["umount", "-l", str(where)], capture_output=True)
+
+
+def test_a_checkpoint_write_on_a_full_disk_stops_marl_train_in_one_line_and_the_same_command_resumes(
+        full_checkpoints):
+    """A real `marl train` resuming the tiny run collects and trains iteration 1, then its
+    checkpoint write fails for lack of space: one line naming it, non-zero exit, no
+    traceback; checkpoint 1 still restores and the committed replay verifies clean. With
+    space back, the same command resumes from checkpoint 1 and finishes the run."""
+    from storage import Checkpointer
+
+    run = str(full_checkpoints)
+    cmd = [sys.executable, "-m", "flows.cli", "train", TINY, "--run-dir", run, "--env-steps", "1024",
+           "--workers", "1"]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)}
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=400)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode != 0 and "Traceback" not in output, output
+    errors = lines(proc.stderr)
+    assert len(errors) <= 2 and "No space left on device" in errors[-1], output
+    assert "checkpoint 1 is intact" in errors[-1] and "run the same command to resume" in errors[-1], output
+    with Checkpointer(os.path.join(run, "checkpoints")) as checkpoints:
+        assert checkpoints.all_steps() == [1]
+        assert checkpoints.metadata(1)
+    store = ReplayStore.open(os.path.join(run, "replay"))
+    assert store.verify()[0] == [] and [r for r, _ in store.committed()][:2] == [0, 1]
+
+    subprocess.run(["mount", "-o", "remount,size=16m", os.path.join(run, "checkpoints")], check=True)
+    again = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=400)
+    assert again.returncode == 0, again.stdout + again.stderr
+    with Checkpointer(os.path.join(run, "checkpoints")) as checkpoints:
+        assert checkpoints.all_steps()[-1] == 2
+    store = ReplayStore.open(os.path.join(run, "replay"))
+    assert [r for r, _ in store.committed()] == [0, 1, 2, 3] and store.verify()[0] == []
