@@ -112,7 +112,7 @@ def quiet_task_errors(client) -> None:
 @task(name="prepare-run", cache_policy=NO_CACHE)
 def prepare_task(client, worker: str, config: dict) -> dict:
     # the ring is fitted to the memory of the worker that will hold it
-    memory_limit = client.scheduler_info()["workers"][worker].get("memory_limit")
+    memory_limit = clusters.workers(client)[worker].get("memory_limit")
     prepared = client.submit(stages.prepare_run, config, memory_limit, workers=[worker], pure=False)
     return Watch(client, worker, config["run_dir"]).result(prepared)
 

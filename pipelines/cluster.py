@@ -189,13 +189,23 @@ def connect(address: str | None = None, security: Security | None = None, **clus
 CONNECT_TIMEOUT = "120s"
 
 
+def workers(client: Client) -> dict:
+    """{address: info} of the scheduler's workers, asked of the scheduler now.
+
+    Not `client.scheduler_info()["workers"]`: that returns an attribute which the client's
+    own periodic refresh (every 2 s) overwrites with a summary holding no workers, so a
+    caller racing it reads {} while every worker is up; on a loaded machine that stopped
+    runs as "no worker is left"."""
+    return client.sync(client.scheduler.identity, n_workers=-1)["workers"]
+
+
 def placement(client: Client, env_backend: str = "jax") -> dict:
     """Which workers run what: the learner on a GPU worker where there is one; JAX-env
     collectors on GPU workers too, numpy (PettingZoo) collectors on CPU workers only.
 
     Returns {"learner": addr, "collectors": [addr, ...], "gpu": bool}.
     """
-    info = client.scheduler_info()["workers"]
+    info = workers(client)
     if not info:
         raise RuntimeError("the Dask cluster has no workers; start some or use a local cluster")
     resources = {a: w.get("resources", {}) for a, w in info.items()}

@@ -113,7 +113,7 @@ class Watch:
         self.checked = time.monotonic()
         resume = _resume(self.run_dir)
         try:
-            workers = self.client.scheduler_info()["workers"]
+            workers = clusters.workers(self.client)
         except Exception as e:  # the comm's own errors, whatever the transport
             raise _unreachable(e, self.run_dir) from None
         info = workers.get(self.learner)
@@ -141,7 +141,7 @@ class Watch:
         while time.monotonic() < deadline:
             time.sleep(LIVENESS_S / 2)
             try:
-                workers = self.client.scheduler_info()["workers"]
+                workers = clusters.workers(self.client)
             except Exception as e:
                 raise _unreachable(e, self.run_dir) from None
             if workers:
