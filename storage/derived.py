@@ -31,10 +31,10 @@ import os
 
 import numpy as np
 import zarr
-from zarr.storage import LocalStore
 
 from .replay import (_WRITE_CONFIG, CODEC, COORDS, ENV_DIM, STEP_DIM, Damage, Field, ReplayDamaged,
-                     ReplayStore, StoreError, _check_json, _crc_ok, _fmt_regions)
+                     ReplayStore, StoreError, _check_json, _CheckedLocalStore, _crc_ok,
+                     _fmt_regions)
 
 KIND = "derived"
 WRITTEN = "written"
@@ -48,23 +48,6 @@ def _fix(path: str) -> str:
 
 def _has_crc(array) -> bool:
     return bool(array.compressors) and isinstance(array.compressors[-1], zarr.codecs.Crc32cCodec)
-
-
-class _CheckedStore(LocalStore):
-    """A read-only LocalStore that checks each chunk's crc32c as xarray reads it."""
-
-    def __init__(self, root, checked=frozenset()) -> None:
-        super().__init__(root, read_only=True)
-        self.checked = frozenset(checked)
-
-    async def get(self, key, prototype=None, byte_range=None):
-        buf = await super().get(key, prototype, byte_range)
-        name, _, rest = key.partition("/")
-        if buf is not None and byte_range is None and rest.startswith("c/") and name in self.checked \
-                and not _crc_ok(buf.to_bytes()):
-            raise ReplayDamaged(f"derived group {self.root} is damaged: chunk {key} fails its crc32c "
-                                f"checksum (altered or cut short); {_fix(str(self.root))}")
-        return buf
 
 
 class DerivedGroup:
@@ -325,7 +308,8 @@ def open_derived(path):
     derived._require_chunks(blocks)  # checksums are checked as the data are read
     idx = (np.concatenate([np.arange(k * T, (k + 1) * T) for k in blocks]) if blocks
            else np.zeros(0, dtype=np.int64))
-    checked = _CheckedStore(derived.path, [name for name, crc in derived._crc.items() if crc])
+    checked = _CheckedLocalStore(derived.path, [name for name, crc in derived._crc.items() if crc],
+                                 what="derived group", fix=_fix)
     ds = xr.open_zarr(checked, consolidated=False, zarr_format=3, use_zarr_fill_value_as_mask=False)
     ds = ds.drop_vars([WRITTEN]).set_coords(list(COORDS)).isel({STEP_DIM: idx})
     for name in COORDS:

@@ -263,21 +263,23 @@ def _crc_ok(data: bytes) -> bool:
 
 
 class _CheckedLocalStore(LocalStore):
-    """A read-only LocalStore that checks each chunk's crc32c as it is read (open_replay's
-    lazy xarray reads): damage raises ReplayDamaged naming the file, not zarr's bare
-    checksum error. `checked`: the arrays whose chunks end in a checksum."""
+    """A read-only LocalStore that checks each chunk's crc32c as it is read (open_replay's and
+    open_derived's lazy xarray reads): damage raises ReplayDamaged naming the file, not zarr's
+    bare checksum error. `checked`: the arrays whose chunks end in a checksum; `what` and
+    `fix`: the damaged thing and the cure, for the message."""
 
-    def __init__(self, root, checked=frozenset()) -> None:
+    def __init__(self, root, checked=frozenset(), what: str = "replay store at", fix=None) -> None:
         super().__init__(root, read_only=True)
         self.checked = frozenset(checked)
+        self.what, self.fix = what, fix or _fix
 
     async def get(self, key, prototype=None, byte_range=None):
         buf = await super().get(key, prototype, byte_range)
         name, _, rest = key.partition("/")
         if buf is not None and byte_range is None and rest.startswith("c/") and name in self.checked \
                 and not _crc_ok(buf.to_bytes()):
-            raise ReplayDamaged(f"replay store at {self.root} is damaged: chunk {key} fails its crc32c "
-                                f"checksum (altered or cut short); {_fix(str(self.root))}")
+            raise ReplayDamaged(f"{self.what} {self.root} is damaged: chunk {key} fails its crc32c "
+                                f"checksum (altered or cut short); {self.fix(str(self.root))}")
         return buf
 
 
