@@ -219,6 +219,8 @@ def main(argv: list[str] | None = None) -> int:
                    "~/.config/marl/tls, self-signed ones made there when it has none)")
     p.add_argument("--logger", metavar="NAMES", help="where per-iteration metrics go: csv (default, "
                    "RUN_DIR/metrics.csv), tensorboard (RUN_DIR/tensorboard, needs the tensorboard extra), "
+                   "mlflow ($MLFLOW_TRACKING_URI, else RUN_DIR/mlflow.db; the mlflow extra), wandb "
+                   "(offline in RUN_DIR/wandb unless WANDB_MODE says otherwise; the wandb extra), "
                    "comma-separated, e.g. --logger csv,tensorboard")
     talk = p.add_mutually_exclusive_group()
     talk.add_argument("--quiet", action="store_true", help="print only one final line (errors still one line)")
