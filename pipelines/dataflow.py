@@ -201,7 +201,8 @@ class Dataflow:
     and the greedy test scores where evaluated) and keeps run-wide totals in `summary()`.
     """
 
-    def __init__(self, client: Client, config: RunConfig, start: dict, placement: Placement):
+    def __init__(self, client: Client, config: RunConfig, start: dict, placement: Placement,
+                 run_began: float | None = None):
         self.client, self.config, self.where = client, config, placement
         self.cfg = config.to_dict()
         self.first = int(start["iteration"])
@@ -217,6 +218,8 @@ class Dataflow:
         self.breakdown: collections.Counter = collections.Counter()  # seconds per part
         self.final_eval: dict = {}
         self.began = self.last_trained = time.perf_counter()
+        # max_wall_s counts from the run's start, not from a learner move's
+        self.run_began = self.began if run_began is None else run_began
 
     # -------------------------------------------------------------- submitting work
 
@@ -317,7 +320,7 @@ class Dataflow:
         it.trained_at, it.result = now, metrics
         self.trained += 1
         max_wall = self.config.max_wall_s
-        if max_wall and now - self.began >= max_wall:
+        if max_wall and now - self.run_began >= max_wall:
             self.stopped_early = True  # no more iterations; those submitted finish
 
     @staticmethod
@@ -396,13 +399,14 @@ def run_moving(client: Client, config: RunConfig, prepare: Callable[[str], dict]
         rows.append(r)
         on_row(r)
 
+    began = time.perf_counter()
     for moves in range(MAX_LEARNER_MOVES + 1):
         where = Placement.on(client, config)
         start = prepare(where.learner)
         config = RunConfig(**start["config"])  # its ring as fitted to that worker's memory
         rows = [r for r in rows if r["iteration"] <= start["iteration"]]
         on_start(start, where)
-        dataflow = Dataflow(client, config, start, where)
+        dataflow = Dataflow(client, config, start, where, run_began=began)
         try:
             dataflow.run(row)
             return rows, dataflow
