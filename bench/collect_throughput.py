@@ -112,11 +112,11 @@ def main():
 
     from distributed import Client
 
-    from pipelines.cluster import make_cluster
+    from pipelines.cluster import make_cluster, workers
 
     rows = []
     with make_cluster(n_workers=1, kind="auto", dashboard_address="127.0.0.1:0") as cluster, Client(cluster) as client:
-        worker = sorted(client.scheduler_info()["workers"])[0]
+        worker = sorted(workers(client))[0]
         for n in args.envs:
             # the plain rollout runs while the worker idles, and the other way round, so the
             # two never share the cores

@@ -59,14 +59,14 @@ def throughput(n_workers: int, iterations: int, run_dir: str) -> dict:
     from distributed import Client, wait
 
     from pipelines import stages
-    from pipelines.cluster import make_cluster
+    from pipelines.cluster import make_cluster, workers as live_workers
     from pipelines.config import make_run_config
 
     shutil.rmtree(run_dir, ignore_errors=True)
     cfg = make_run_config(PRESET, run_dir=run_dir, n_collectors=2).to_dict()
     with make_cluster(n_workers=n_workers, kind="cpu", dashboard_address="127.0.0.1:0") as cluster, \
             Client(cluster) as client:
-        workers = sorted(client.scheduler_info()["workers"])
+        workers = sorted(live_workers(client))
         client.submit(stages.prepare_run, cfg, workers=[workers[0]], pure=False).result()
         params = client.submit(stages.policy_params, cfg, workers=[workers[0]], pure=False).result()
         params = client.scatter(params, broadcast=True)

@@ -50,7 +50,7 @@ def row(preset: str, env: str, overrides: dict) -> dict:
     from flows.train import marl_train
     from marl import algos, envs
     from pipelines import stages
-    from pipelines.cluster import make_cluster
+    from pipelines.cluster import make_cluster, workers
     from pipelines.config import RunConfig, make_run_config
 
     run_dir = tempfile.mkdtemp(prefix="replay-memory-")
@@ -61,7 +61,7 @@ def row(preset: str, env: str, overrides: dict) -> dict:
         result = marl_train(preset=preset, env=env, env_steps=ENV_STEPS[preset], run_dir=run_dir,
                             overrides=overrides, scheduler_address=cluster.scheduler_address)
         peaks = client.run(lambda: resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
-        limit = next(iter(client.scheduler_info()["workers"].values()))["memory_limit"]
+        limit = next(iter(workers(client).values()))["memory_limit"]
     with open(os.path.join(run_dir, "replay", "zarr.json")) as f:
         ran = RunConfig(**json.load(f)["attributes"]["config"])
     env_ = envs.make(env)

@@ -76,8 +76,10 @@ def _worker(address: str, work: str, n: int, env: dict) -> subprocess.Popen:
 def _n_workers(address: str) -> int:
     from distributed import Client
 
+    from pipelines.cluster import workers
+
     with Client(address, timeout=30) as client:
-        return len(client.scheduler_info()["workers"])
+        return len(workers(client))
 
 
 def _roles(address: str) -> dict[str, list[str]]:
