@@ -33,8 +33,8 @@ import numpy as np
 import zarr
 
 from .replay import (_WRITE_CONFIG, CODEC, COORDS, ENV_DIM, STEP_DIM, Damage, Field, ReplayDamaged,
-                     ReplayStore, StoreError, _check_json, _CheckedLocalStore, _crc_ok,
-                     _fmt_regions)
+                     ReplayStore, StoreError, _array_or_damage, _check_json, _CheckedLocalStore,
+                     _crc_ok, _fmt_regions)
 
 KIND = "derived"
 WRITTEN = "written"
@@ -63,17 +63,9 @@ class DerivedGroup:
         self.variables = {name: Field.from_json(f) for name, f in self.attrs["variables"].items()}
         self._arrays = {}
         for name in (*self.variables, *COORDS, WRITTEN):
-            meta = os.path.join(path, name, "zarr.json")
-            try:
-                node = group[name]
-            except KeyError:
-                node = None
-            except Exception as e:  # zarr raises JSON, key and value errors for a damaged file
-                raise ReplayDamaged(f"derived group metadata {meta} is damaged ({type(e).__name__}: "
-                                    f"{e}); {_fix(path)}") from None
+            node = _array_or_damage(path, group, name, kind="derived group", fix=_fix)
             if not isinstance(node, zarr.Array):
-                what = "is damaged (not a Zarr array)" if os.path.isfile(meta) else f"is missing (no {meta})"
-                raise ReplayDamaged(f"derived group {path} is damaged: array {name!r} {what}; {_fix(path)}")
+                raise node
             self._arrays[name] = node
         # groups made since checksums: every chunk ends in a crc32c and every chunk of a
         # written block is on disk

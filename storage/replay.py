@@ -351,23 +351,27 @@ def _fix(path: str) -> str:
             f"the commit log, then resume")
 
 
-def _array_or_damage(path: str, group: zarr.Group, name: str):
-    """The array `name` of the store's group, or the ReplayDamaged that says why not."""
+def _remake_fix(path: str) -> str:
+    return (f"run `marl replay verify {path} --drop-damaged` to remake the array empty and drop "
+            f"every region, or restore it from a backup")
+
+
+def _array_or_damage(path: str, group: zarr.Group, name: str, kind: str = "replay store",
+                     fix=_remake_fix):
+    """The array `name` of the group at `path`, or the ReplayDamaged that says why not;
+    `kind` and `fix(path)` name the damaged thing and its cure (a replay store's by default,
+    a derived group's for storage/derived.py)."""
     meta = os.path.join(path, name, "zarr.json")
     try:
         node = group[name]
     except KeyError:
         node = None
     except Exception as e:  # zarr raises JSON, key and value errors for a damaged file
-        return ReplayDamaged(f"replay store metadata {meta} is damaged ({type(e).__name__}: {e}); "
-                             f"run `marl replay verify {path} --drop-damaged` to remake the array "
-                             f"empty and drop every region, or restore the file from a backup")
+        return ReplayDamaged(f"{kind} metadata {meta} is damaged ({type(e).__name__}: {e}); {fix(path)}")
     if isinstance(node, zarr.Array):
         return node
     what = "is damaged (not a Zarr array)" if os.path.isfile(meta) else f"is missing (no {meta})"
-    return ReplayDamaged(f"replay store at {path} is damaged: array {name!r} {what}; run `marl replay "
-                         f"verify {path} --drop-damaged` to remake it empty and drop every region, or "
-                         f"restore it from a backup")
+    return ReplayDamaged(f"{kind} at {path} is damaged: array {name!r} {what}; {fix(path)}")
 
 
 class ReplayStore:
