@@ -520,18 +520,26 @@ def test_reanalysis_of_a_damaged_store_stops_in_one_line_and_writes_nothing_part
 # ------------------------------------------------------------ a full disk, a read-only run dir (item 4)
 
 
-@pytest.fixture
-def tiny_fs(tmp_path):
-    """A real 1 MiB tmpfs (needs root: mount); skipped where it cannot be made."""
-    where = tmp_path / "fs"
-    where.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(where)],
+@contextlib.contextmanager
+def _tmpfs(where, size: str):
+    """A real tmpfs of `size` mounted on the directory `where` while in the block (needs root:
+    mount); the test is skipped where it cannot be made."""
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)],
                       capture_output=True).returncode != 0:
         pytest.skip("cannot mount a tmpfs here (not root)")
     try:
         yield where
     finally:
         subprocess.run(["umount", "-l", str(where)], capture_output=True)
+
+
+@pytest.fixture
+def tiny_fs(tmp_path):
+    """A real 1 MiB tmpfs (needs root: mount); skipped where it cannot be made."""
+    where = tmp_path / "fs"
+    where.mkdir()
+    with _tmpfs(where, "1m"):
+        yield where
 
 
 def test_a_full_or_read_only_disk_stops_writes_in_one_line_and_keeps_what_is_committed(tiny_fs):
@@ -608,17 +616,12 @@ def full_checkpoints(run_dir, tmp_path):
     shutil.move(run / "checkpoints", saved)
     where = run / "checkpoints"
     where.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(where)],
-                      capture_output=True).returncode != 0:
-        pytest.skip("cannot mount a tmpfs here (not root)")
-    try:
+    with _tmpfs(where, "16m"):
         shutil.copytree(saved, where, dirs_exist_ok=True)
         st = os.statvfs(where)
         used_kib = (st.f_blocks - st.f_bfree) * st.f_frsize // 1024
         subprocess.run(["mount", "-o", f"remount,size={used_kib + 8}k", str(where)], check=True)
         yield run
-    finally:
-        subprocess.run(["umount", "-l", str(where)], capture_output=True)
 
 
 def test_a_checkpoint_write_on_a_full_disk_stops_marl_train_in_one_line_and_the_same_command_resumes(
