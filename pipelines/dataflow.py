@@ -112,10 +112,7 @@ class Watch:
     def check(self):
         self.checked = time.monotonic()
         resume = _resume(self.run_dir)
-        try:
-            workers = clusters.workers(self.client)
-        except Exception as e:  # the comm's own errors, whatever the transport
-            raise _unreachable(e, self.run_dir) from None
+        workers = self._workers()
         info = workers.get(self.learner)
         if info is None:  # (with every other worker, maybe: then it is the likelier cause)
             lost, for_memory = self._lost()
@@ -135,15 +132,18 @@ class Watch:
                 f"the learner's worker {self.learner} was paused by Dask for {PAUSED_LIMIT_S:.0f} s at "
                 f"{_memory(info)} during {self.doing}; {_LOWER}, then {resume}")
 
+    def _workers(self) -> dict:
+        try:
+            return clusters.workers(self.client)
+        except Exception as e:  # the comm's own errors, whatever the transport
+            raise _unreachable(e, self.run_dir) from None
+
     def _rejoined(self) -> dict:
         """The workers that joined within REJOIN_S (none: the run cannot go on)."""
         deadline = time.monotonic() + REJOIN_S
         while time.monotonic() < deadline:
             time.sleep(LIVENESS_S / 2)
-            try:
-                workers = clusters.workers(self.client)
-            except Exception as e:
-                raise _unreachable(e, self.run_dir) from None
+            workers = self._workers()
             if workers:
                 return workers
         return {}
