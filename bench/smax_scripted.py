@@ -89,7 +89,7 @@ def _outcomes(won, length, limit) -> dict:
 
 
 def trained(run_dir: str, episodes: int) -> list[dict]:
-    """Greedy episodes of each seed of a trained run's latest checkpoint, as outcomes."""
+    """Greedy episodes of each seed of a trained run's latest checkpoint, as outcome rows."""
     from pipelines import saved_run
 
     run = saved_run.load_run(run_dir)
@@ -98,7 +98,8 @@ def trained(run_dir: str, episodes: int) -> list[dict]:
     for s in range(run.config.n_seeds):
         values = player(saved_run.seed_params(run, s), jax.random.PRNGKey(123 + s), episodes)
         won = values["win_rate"] > 0.5
-        out.append({"seed": s, "env_steps": int(run.meta.get("env_steps", 0)),
+        out.append({"map": run.config.env_id.split(":", 1)[1], "policy": f"{run_dir} seed {s}",
+                    "env_steps": int(run.meta.get("env_steps", 0)),
                     **_outcomes(won, values["length"], run.parts.env.spec.episode_limit)})
     return out
 
@@ -117,11 +118,7 @@ def main():
             r = {"map": scenario, "policy": f"scripted {rule}", **play(env, scripted_policy(env, rule), args.episodes)}
             results.append(r)
     for run_dir in args.run:
-        for r in trained(run_dir, args.episodes):
-            import json
-
-            env_id = json.load(open(os.path.join(run_dir, "replay", "zarr.json")))["attributes"]["env_id"]
-            results.append({"map": env_id.split(":")[1], "policy": f"{run_dir} seed {r.pop('seed')}", **r})
+        results += trained(run_dir, args.episodes)
     for r in results:
         rows.append([r["map"], r["policy"], str(r["episodes"]), f"{r['win']:.3f}", f"{r['wiped_out']:.3f}",
                      f"{r['time_limit']:.3f}", f"{r['length_mean']:.1f}"])
