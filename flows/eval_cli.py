@@ -2,7 +2,7 @@
 
     marl eval RUN_DIR [--checkpoint N] [--episodes E] [--json]
     marl eval RUN_DIR --render team.gif [--render-episodes E] [--render-steps T] [--seed-index S]
-    marl export RUN_DIR --out DIR [--checkpoint N] [--seed-index S]
+    marl export RUN_DIR --out DIR [--checkpoint N] [--seed-index S] [--team T]
 """
 
 from __future__ import annotations
@@ -53,26 +53,31 @@ def _cell(mean: float, interval, spec: str) -> str:
     return f"{mean:{spec}} [{interval[0]:{spec}}, {interval[1]:{spec}}]"
 
 
+def _format(metric: str) -> str:
+    return ".1f" if metric == "length" else ".3f"
+
+
 def eval_table(report: dict):
-    """The rich table of an evaluate_run report: a row per seed, and mean +- std over seeds."""
+    """The rich table of an evaluate_run report: a row per seed, and mean +- std over seeds;
+    for a team run a win rate and return column per team, headed by who played it."""
     from rich.table import Table
 
-    from pipelines.saved_run import METRICS
-
-    table = Table(title=f"{report['algo']} on {report['env_id']}: checkpoint {report['checkpoint']} "
-                        f"({report['env_steps']:,} env steps), {report['episodes_per_seed']} greedy "
-                        "episodes per seed")
+    metrics = report["metrics"]
+    title = (f"{report['algo']} on {report['env_id']}: checkpoint {report['checkpoint']} "
+             f"({report['env_steps']:,} env steps), {report['episodes_per_seed']} greedy episodes per seed")
+    if report.get("teams"):
+        title += "; teams: " + ", ".join(f"{team} {who}" for team, who in report["teams"].items())
+    table = Table(title=title)
     table.add_column("seed", justify="right")
-    specs = {"win_rate": ".3f", "return": ".3f", "length": ".1f"}
-    for m in METRICS:
+    for m in metrics:
         table.add_column(f"{m.replace('_', ' ')} [95% CI]", justify="right")
     for row in report["per_seed"]:
-        table.add_row(str(row["seed"]), *(_cell(row[m], row[f"{m}_ci95"], specs[m]) for m in METRICS))
+        table.add_row(str(row["seed"]), *(_cell(row[m], row[f"{m}_ci95"], _format(m)) for m in metrics))
     mean = report["mean"]
     if report["n_seeds"] > 1:
-        table.add_row("mean +- std", *(f"{mean[m]:{specs[m]}} +- {mean[f'{m}_std']:{specs[m]}} "
-                                       f"[{mean[f'{m}_ci95'][0]:{specs[m]}}, {mean[f'{m}_ci95'][1]:{specs[m]}}]"
-                                       for m in METRICS))
+        table.add_row("mean +- std", *(f"{mean[m]:{_format(m)}} +- {mean[f'{m}_std']:{_format(m)}} "
+                                       f"[{mean[f'{m}_ci95'][0]:{_format(m)}}, {mean[f'{m}_ci95'][1]:{_format(m)}}]"
+                                       for m in metrics))
     return table
 
 
@@ -109,12 +114,20 @@ def _render(run, args) -> int:
         print(json.dumps(done, indent=2))
         return 0
     episodes = done["episodes"]
-    won = sum(e["won"] for e in episodes)
+    if episodes[0].get("teams"):  # each team's own returns and wins, the fixed opponent's too
+        from pipelines.saved_run import players
+
+        outcome = "; ".join(
+            f"{team} ({who}) returns {', '.join(format(e['teams'][team]['return'], '.3f') for e in episodes)}, "
+            f"won {sum(e['teams'][team]['won'] for e in episodes)}/{len(episodes)}"
+            for team, who in players(run).items())
+    else:
+        outcome = (f"returns {', '.join(format(e['return'], '.3f') for e in episodes)}, "
+                   f"won {sum(e['won'] for e in episodes)}/{len(episodes)}")
     print(f"wrote {args.render}: {len(episodes)} greedy episode(s) of {run.config.algo} on {run.config.env_id} "
           f"(checkpoint {run.checkpoint}, seed {args.seed_index}), {done['frames']} frames of "
-          f"{done['width']}x{done['height']} at {done['fps']} fps; returns "
-          f"{', '.join(format(e['return'], '.3f') for e in episodes)}, lengths "
-          f"{', '.join(str(e['length']) for e in episodes)}, won {won}/{len(episodes)}")
+          f"{done['width']}x{done['height']} at {done['fps']} fps; lengths "
+          f"{', '.join(str(e['length']) for e in episodes)}; {outcome}")
     return 0
 
 
@@ -128,10 +141,11 @@ def cmd_export(args) -> int:
 
     try:
         checks.check_writable_path(args.out, "--out", directory=True)
-        paths = export_run(run, args.out, args.seed_index)
+        paths = export_run(run, args.out, args.seed_index, args.team)
     except (checks.InputError, StoreError) as e:
         return _fail(e)
-    print(f"exported {run.config.algo} on {run.config.env_id} (checkpoint {run.checkpoint}, seed {args.seed_index}) "
+    team = f"team {args.team} of " if args.team else ""
+    print(f"exported {team}{run.config.algo} on {run.config.env_id} (checkpoint {run.checkpoint}, seed {args.seed_index}) "
           f"to {args.out}: {', '.join(p.rsplit('/', 1)[-1] for p in paths)}; load it with marl.load_policy({args.out!r})")
     return 0
 
@@ -166,4 +180,7 @@ def add_commands(sub) -> None:
     p.add_argument("--out", required=True, help="directory to write the policy files into")
     p.add_argument("--checkpoint", type=int, help="checkpoint step (iteration) to export (default: the latest)")
     p.add_argument("--seed-index", type=int, default=0, help="which seed of a --seeds run (default 0)")
+    p.add_argument("--team", help="a team run's team to export: its agents, sizes and params alone, usable as "
+                   "--set opponent=DIR in another run. Needed for a train_team=each run (or --team each: one "
+                   "policy of every team); a run with train_team=T exports team T")
     p.set_defaults(fn=cmd_export)

@@ -159,8 +159,23 @@ def make_numpy_collector(env: PettingZooEnv, act: Callable, init_carry: Callable
     return init, collect
 
 
-def make_evaluator(env: JaxEnv, act: Callable, init_carry: Callable, n_envs: int, explore):
-    """Returns jitted evaluate(params, key) -> stats over the first episode of each of N envs."""
+def mean_reward_score(ts, env_state):
+    """What an evaluator counts of one env's step by default: the agents' mean reward and the
+    env's win flag."""
+    return episode_reward(ts.reward), ts.won
+
+
+def _per_lane(flags, like):
+    """[N] flags shaped to broadcast over `like` ([N, ...])."""
+    return flags.reshape(flags.shape + (1,) * (like.ndim - flags.ndim))
+
+
+def make_evaluator(env: JaxEnv, act: Callable, init_carry: Callable, n_envs: int, explore,
+                   score: Callable = mean_reward_score):
+    """Returns jitted evaluate(params, key) -> stats over the first episode of each of N envs.
+
+    score(timestep, env_state) -> (reward, won) of one env's step; where it gives arrays (one
+    entry per team, marl.teams.team_scores), return_mean and win_rate have their shape."""
     horizon = env.spec.episode_limit + 1
 
     def evaluate(params, key):
@@ -173,33 +188,35 @@ def make_evaluator(env: JaxEnv, act: Callable, init_carry: Callable, n_envs: int
             actions, policy_carry, _ = act(params, policy_carry, ts.obs, ts.avail_actions,
                                            ts.first, act_key, explore)
             ts, env_state = jax.vmap(env.step)(jax.random.split(step_key, n_envs), env_state, actions)
+            reward, won_now = jax.vmap(score)(ts, env_state)
             live = ~finished
-            ret = ret + jnp.where(live, episode_reward(ts.reward), 0.0)
+            ret = ret + jnp.where(_per_lane(live, reward), reward, 0.0)
             length = length + live
-            won = won | (live & ts.won)
+            won = won | (_per_lane(live, won_now) & won_now)
             finished = finished | done(ts)
             return (env_state, ts, policy_carry, finished, ret, length, won, key), None
 
-        zeros = jnp.zeros(n_envs)
-        init = (env_state, timestep, init_carry(n_envs), jnp.zeros(n_envs, bool), zeros,
-                jnp.zeros(n_envs, jnp.int32), jnp.zeros(n_envs, bool), key)
+        reward, won = jax.eval_shape(jax.vmap(score), timestep, env_state)
+        init = (env_state, timestep, init_carry(n_envs), jnp.zeros(n_envs, bool), jnp.zeros(reward.shape),
+                jnp.zeros(n_envs, jnp.int32), jnp.zeros(won.shape, bool), key)
         (_, _, _, finished, ret, length, won, _), _ = jax.lax.scan(step, init, None, horizon)
-        return {"episodes": finished.sum(), "return_mean": ret.mean(),
-                "length_mean": length.mean(), "win_rate": won.mean()}
+        return {"episodes": finished.sum(), "return_mean": ret.mean(axis=0),
+                "length_mean": length.mean(), "win_rate": won.mean(axis=0)}
 
     return jax.jit(evaluate)
 
 
 def make_numpy_evaluator(env: PettingZooEnv, act: Callable, init_carry: Callable, n_envs: int,
-                         explore):
-    """evaluate(params, key) -> stats over the first episode of each of N numpy envs."""
+                         explore, score: Callable = mean_reward_score):
+    """evaluate(params, key) -> stats over the first episode of each of N numpy envs;
+    score(timestep, env instance) as in make_evaluator."""
     act = jax.jit(act)
 
     def evaluate(params, key):
         instances, steps = fresh_numpy_envs(env, n_envs, key)
         carry = init_carry(n_envs)
         finished = np.zeros(n_envs, bool)
-        ret, length, won = np.zeros(n_envs), np.zeros(n_envs, np.int32), np.zeros(n_envs, bool)
+        ret, length, won = 0.0, np.zeros(n_envs, np.int32), False
         ts = _stack(steps)
         while not finished.all():
             key, act_key = jax.random.split(key)
@@ -207,13 +224,14 @@ def make_numpy_evaluator(env: PettingZooEnv, act: Callable, init_carry: Callable
             actions = np.asarray(actions)
             # finished envs idle on their own auto-reset episode, which is not counted
             steps = [e.step(a) for e, a in zip(instances, actions)]
+            reward, won_now = (np.stack(x) for x in zip(*(score(s, e) for s, e in zip(steps, instances))))
             ts = _stack(steps)
             live = ~finished
-            ret += np.where(live, ts.reward.mean(axis=-1), 0.0)
+            ret = ret + np.where(_per_lane(live, reward), reward, 0.0)
             length += live
-            won |= live & ts.won
+            won = won | (_per_lane(live, won_now) & won_now)
             finished |= done(ts)
-        return {"episodes": finished.sum(), "return_mean": ret.mean(),
-                "length_mean": length.mean(), "win_rate": won.mean()}
+        return {"episodes": finished.sum(), "return_mean": np.mean(ret, axis=0),
+                "length_mean": length.mean(), "win_rate": np.mean(won, axis=0)}
 
     return evaluate

@@ -23,15 +23,21 @@ cooperative env and need no change. The other agents act inside the step with th
 `noop` (action 0 where available, else the first available; zeros for continuous actions)
 or the directory of a policy written by `marl export` (played greedily with its learner's
 own pure-JAX act, jitted inside the env step of JAX envs). The reward is the training
-team's own; `won` (SMAX) is the allies' win, so it stays False for a training enemy team.
+team's own, and so is `won` on SMAX: a side wins when the other side's units are all dead and
+some of its own live (both wiped out at once is a draw, nobody's win), so a training enemy
+team's `won` is the enemies' win (a team that mixes allies and enemies never wins).
 
 With `train_team=each` every team learns: the env stays whole (all agents act through the
 learner) and its spec lists the teams (`EnvSpec.teams`), for which marl.algos.make_learner
 builds one learner per team (`team_learners`) that the stages drive as one.
+
+`team_scores(env)` scores every team of either kind of run apart (its own mean reward and
+win), for evaluating a trained run team by team.
 """
 
 from __future__ import annotations
 
+import copy
 import fnmatch
 import json
 import os
@@ -245,6 +251,50 @@ class _NumpyOpponent:
 # ---------------------------------------------------------------- JAX envs: a view
 
 
+SMAX_SIDES = ("ally", "enemy")  # the order of _SmaxSides' won
+
+
+class _SmaxSides(JaxEnv):
+    """A SMAX JaxEnv whose `won` is [allies won, enemies won]: SMAX's own outcome seen from
+    each side (a side wins when the other is wiped out and it is not; jaxmarl counts both
+    wiped out in one step as a draw)."""
+
+    def reset(self, key):
+        ts, state = super().reset(key)
+        return ts._replace(won=jnp.zeros(len(SMAX_SIDES), bool)), state
+
+    def _ended(self, env_state, actions, reward, info):
+        allies, enemies = self._alive(env_state)
+        return ~allies | ~enemies, jnp.stack([allies & ~enemies, enemies & ~allies])
+
+
+def _with_sides(env: JaxEnv) -> JaxEnv:
+    """`env` itself, or for SMAX a copy of it whose `won` gives both sides' (_SmaxSides)."""
+    if env.family != "smax":
+        return env
+    sided = copy.copy(env)
+    sided.__class__ = _SmaxSides  # the same env, only its outcome read from both sides
+    return sided
+
+
+def _sides(env: JaxEnv, teams: dict) -> tuple | None:
+    """Each team's SMAX side (an index into SMAX_SIDES; None for a team of both sides), or
+    None for other envs."""
+    if env.family != "smax":
+        return None
+    return tuple(next((i for i, side in enumerate(SMAX_SIDES) if all(_base(a) == side for a in members)), None)
+                 for members in teams.values())
+
+
+def _teams_won(won, sides: tuple | None, n_teams: int):
+    """[team] bools: each team's own win from a _SmaxSides `won` (`sides` as _sides gives),
+    or else the env's one `won` for every team."""
+    if sides is None:
+        return jnp.broadcast_to(won, (n_teams,))
+    won = jnp.broadcast_to(won, (len(SMAX_SIDES),))
+    return jnp.stack([won[s] if s is not None else jnp.array(False) for s in sides])
+
+
 class TeamState(NamedTuple):
     env_state: Any  # the whole env's state
     opponent_obs: Any  # [opponent agent, obs_dim]: what the opponents see now
@@ -252,6 +302,8 @@ class TeamState(NamedTuple):
     first: Any  # the opponents' obs start an episode
     carry: Any  # the opponent policy's recurrent state
     opponent_action: Any  # what the opponents did in the step that led here (zeros after a reset)
+    rewards: Any  # [agent of the whole env]: every agent's reward of that step
+    teams_won: Any  # [team]: each team's win at that step (see _teams_won)
 
 
 def _team_sizes(agents, own_obs: dict, action_sizes: dict, spec: EnvSpec, members) -> dict:
@@ -267,10 +319,9 @@ class TeamJaxEnv:
     `step` (see the module docstring). Same contract as JaxEnv: reset(key), step(key,
     state, actions) -> (Timestep, state), pure and vmappable."""
 
-    kind = "team"  # (no visualiser draws a team's view)
-
     def __init__(self, inner: JaxEnv, teams: dict, train_team: str, opponent: str):
-        self.inner, self.env, self.family = inner, inner.env, inner.family
+        self.inner, self.env, self.family = _with_sides(inner), inner.env, inner.family
+        self.kind = inner.kind  # the whole env's visualiser draws it (whole_step)
         self.teams, self.train_team, self.opponent_name = teams, train_team, opponent
         spec = inner.spec
         own_obs, _ = jax.eval_shape(inner.env.reset, jax.random.PRNGKey(0))
@@ -302,15 +353,16 @@ class TeamJaxEnv:
         self.opponent = _JaxOpponent(opponent if policy is None else "policy", spec.discrete, spec.action_low,
                                      spec.action_high, theirs["action_dim"], policy)
         self._opp_action_shape = (len(others),) if spec.discrete else (len(others), theirs["action_dim"])
-        # SMAX's `won` is the allies' win
-        self._keeps_won = inner.family != "smax" or any(a.startswith("ally") for a in team)
+        self._sides = _sides(inner, teams)
+        self._train_index = list(teams).index(train_team)
 
     def _view(self, ts: Timestep, env_state, carry, opp_action) -> tuple[Timestep, TeamState]:
         i, o = self._idx, self._opp_idx
+        won = _teams_won(ts.won, self._sides, len(self.teams))
         mine = Timestep(ts.obs[i, : self.spec.obs_dim], ts.state, ts.avail_actions[i, : self._mask_width],
-                        ts.reward[i], ts.first, ts.terminated, ts.truncated, ts.won & self._keeps_won)
+                        ts.reward[i], ts.first, ts.terminated, ts.truncated, won[self._train_index])
         state = TeamState(env_state, ts.obs[o, : self._opp_obs_dim], ts.avail_actions[o, : self._opp_mask_width],
-                          ts.first, carry, opp_action)
+                          ts.first, carry, opp_action, ts.reward, won)
         return mine, state
 
     def reset(self, key) -> tuple[Timestep, TeamState]:
@@ -334,6 +386,12 @@ class TeamJaxEnv:
         ts, env_state = self.inner.step(key_env, state.env_state, self._merge(actions, opp_actions))
         return self._view(ts, env_state, carry, opp_actions)
 
+    def whole_step(self, key, state: TeamState, actions, next_state: TeamState):
+        """(the key jaxmarl's step_env got, the whole env's state, every agent's actions) of
+        the step(key, state, actions) that gave next_state: what a drawing replays."""
+        key_env = jax.random.split(key)[1]
+        return jax.random.split(key_env)[0], state.env_state, self._merge(actions, next_state.opponent_action)
+
 
 # ------------------------------------------------------- PettingZoo envs: a wrapper
 
@@ -348,6 +406,7 @@ class TeamParallelEnv:
         self._opponent, self._layout, self._obs_dim, self._env_id = opponent, layout, obs_dim, env_id
         self.possible_agents = list(team)
         self._obs, self._first = {}, True
+        self.rewards = {}  # every agent's reward of the last step (the opponents' too)
 
     def __getattr__(self, name):
         if name.startswith("_"):
@@ -383,7 +442,7 @@ class TeamParallelEnv:
         full.update({a: numpy_action(self._layout, discrete, j, opp[j]) for j, a in enumerate(self._others)
                      if a in live})
         obs, rew, term, trunc, infos = self._inner.step(full)
-        self._obs = obs
+        self._obs, self.rewards = obs, rew
         return self._mine(obs), self._mine(rew), self._mine(term), self._mine(trunc), self._mine(infos)
 
     def state(self):
@@ -412,6 +471,42 @@ def team_pettingzoo_factory(env_id: str, factory, agents, teams: dict, train_tea
         return TeamParallelEnv(factory(), teams[train_team], others, fixed, layout, obs_dim, env_id)
 
     return team_factory
+
+
+# ------------------------------------------------------------ scoring each team apart
+
+
+def team_scores(env):
+    """For a team run's env (a team's view, or train_team=each): (the env to evaluate, the
+    team names, score) for marl.rollout's evaluators, with score(timestep, env state, or the
+    numpy env instance) -> ([team] mean reward of each team's agents, [team] wins); the
+    opponents' scores too, which a view keeps beside the training team's. None for other envs."""
+    groups = getattr(env, "teams", None) or {}
+    names = tuple(groups)
+    if env.spec.backend == "jax":
+        view = isinstance(env, TeamJaxEnv)
+        if not (view or env.spec.teams):
+            return None
+        whole = env.inner if view else env
+        members = [np.array([whole.spec.agents.index(a) for a in agents]) for agents in groups.values()]
+
+        def means(rewards):
+            return jnp.stack([rewards[idx].mean() for idx in members])
+
+        if view:
+            return env, names, lambda ts, state: (means(state.rewards), state.teams_won)
+        sides = _sides(env, groups)
+        return _with_sides(env), names, lambda ts, state: (means(ts.reward), _teams_won(ts.won, sides, len(names)))
+    view = isinstance(env.env, TeamParallelEnv)
+    if not (view or env.spec.teams):
+        return None
+
+    def score(ts, instance):
+        rewards = instance.env.rewards if view else dict(zip(env.spec.agents, ts.reward))
+        return (np.array([np.mean([rewards.get(a, 0.0) for a in agents]) for agents in groups.values()]),
+                np.full(len(names), bool(ts.won)))
+
+    return env, names, score
 
 
 # ------------------------------------------------- every team learning: one learner each

@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from marl import teams
 from marl.envs import EnvError
 from pipelines.saved_run import SavedRun, seed_params
 
@@ -38,9 +39,17 @@ class RenderError(ValueError):
 class Episode:
     """One greedy episode: what the drawing needs of each step, and its outcome."""
 
-    steps: list  # JAX envs: (jaxmarl step key, env state, actions); PettingZoo: RGB frames
+    steps: list  # JAX envs: (jaxmarl step key, the whole env's state, every agent's actions); PettingZoo: RGB frames
     ret: float = 0.0
     won: bool = False
+    teams: dict = dataclasses.field(default_factory=dict)  # team runs: {team: {"return", "won"}}, opponents too
+
+    def score(self, names, reward, won) -> None:
+        """Adds one step's [team] rewards and wins (marl.teams.team_scores) to `teams`."""
+        for name, r, w in zip(names, np.asarray(reward), np.asarray(won)):
+            team = self.teams.setdefault(name, {"return": 0.0, "won": False})
+            team["return"] += float(r)
+            team["won"] = team["won"] or bool(w)
 
 
 def check_output(path: str) -> str:
@@ -76,12 +85,26 @@ def play_episodes(run: SavedRun, episodes: int, seed_index: int = 0, max_steps: 
     # a whole episode: the evaluator's horizon (jaxmarl's MPE runs max_steps + 1 steps)
     limit = max_steps or (env.spec.episode_limit + 1 if env.spec.episode_limit else 10_000)
     if env.spec.backend == "jax":
+        scores = teams.team_scores(env)
+        env, names, score = scores or (env, (), None)
         reset, step = jax.jit(env.reset), jax.jit(env.step)  # compiled once for every episode
-        return [_play_jax(reset, step, params, act, init_carry, k, limit) for k in jax.random.split(key, episodes)]
+        score = None if score is None else jax.jit(score)
+        return [_play_jax(env, reset, step, score, names, params, act, init_carry, k, limit)
+                for k in jax.random.split(key, episodes)]
     return _play_pettingzoo(run, params, act, init_carry, key, episodes, limit)
 
 
-def _play_jax(reset, step, params, act, init_carry, key, limit: int) -> Episode:
+def _whole_step(env, key, state, actions, next_state) -> tuple:
+    """What the drawing replays of a step: (the key jaxmarl's step_env got, the whole env's
+    state, every agent's actions); a team's view adds its opponents' (TeamJaxEnv.whole_step)."""
+    if isinstance(env, teams.TeamJaxEnv):
+        return env.whole_step(key, state, actions, next_state)
+    # JaxEnv.step hands jaxmarl the first half of its key: the SMAX drawing replays the
+    # step's world sub-steps with that same key, so the frames show the game played
+    return jax.random.split(key)[0], state, actions
+
+
+def _play_jax(env, reset, step, score, names, params, act, init_carry, key, limit: int) -> Episode:
     key, reset_key = jax.random.split(key)
     ts, state = reset(reset_key)
     carry, episode = init_carry(1), Episode([])
@@ -89,13 +112,14 @@ def _play_jax(reset, step, params, act, init_carry, key, limit: int) -> Episode:
         key, act_key, step_key = jax.random.split(key, 3)
         actions, carry = act(params, carry, ts.obs, ts.avail_actions, ts.first, act_key)
         actions = actions[0]
-        # JaxEnv.step hands jaxmarl the first half of its key: the SMAX drawing replays the
-        # step's world sub-steps with that same key, so the frames show the game played
-        episode.steps.append((jax.random.split(step_key)[0], state, actions))
+        before = state
         ts, state = step(step_key, state, actions)
+        episode.steps.append(_whole_step(env, step_key, before, actions, state))
         episode.ret += float(jnp.mean(ts.reward))
+        if score is not None:
+            episode.score(names, *score(ts, state))
         if bool(ts.first):  # the episode ended (the env has already reset)
-            episode.won = bool(ts.won)
+            episode.won = bool(np.asarray(ts.won).flat[0])  # (a whole SMAX's [allies, enemies]: the allies')
             break
     return episode
 
@@ -109,6 +133,7 @@ def _play_pettingzoo(run: SavedRun, params, act, init_carry, key, episodes: int,
     except EnvError:
         raise RenderError(f"{c.env_id} cannot render: its parallel_env takes no render_mode; "
                           "only envs with render_mode='rgb_array' can be rendered") from None
+    scores = teams.team_scores(env)
     out = []
     for e in range(episodes):
         ts, carry, episode = env.reset(seed=c.seed + 30_000 + e), init_carry(1), Episode([])
@@ -122,6 +147,8 @@ def _play_pettingzoo(run: SavedRun, params, act, init_carry, key, episodes: int,
             actions, carry = act(params, carry, ts.obs, ts.avail_actions, ts.first, act_key)
             ts = env.step(np.asarray(actions[0]))
             episode.ret += float(np.mean(ts.reward))
+            if scores is not None:
+                episode.score(scores[1], *scores[2](ts, env))
             if ts.first:
                 episode.won = bool(ts.won)
                 break
@@ -238,7 +265,8 @@ def render_run(run: SavedRun, path: str, episodes: int = 2, seed_index: int = 0,
     width, height = drawer.fig.canvas.get_width_height()
     return {"path": path, "frames": n, "width": width, "height": height, "fps": drawer.fps,
             "checkpoint": run.checkpoint, "seed": seed_index,
-            "episodes": [{"return": e.ret, "length": len(e.steps), "won": e.won} for e in played]}
+            "episodes": [{"return": e.ret, "length": len(e.steps), "won": e.won, **({"teams": e.teams} if e.teams else {})}
+                         for e in played]}
 
 
 # the training flow's GIFs (RunConfig.render_every): one greedy episode, cut this short so

@@ -25,6 +25,13 @@ ADVERSARY = "mpe:simple_adversary"
 TINY = "mappo-mpe-tiny"
 
 
+def cli(capture, *args) -> tuple[int, str, str]:
+    """`marl ARGS` in this process: (exit code, stdout, stderr)."""
+    code = main([str(a) for a in args])
+    out, err = capture.readouterr()
+    return code, out, err
+
+
 def test_teams_come_from_the_agents_names_or_a_spec_and_bad_specs_are_one_line(capfd):
     assert envs.make(ADVERSARY).teams == {"adversary": ("adversary_0",), "agent": ("agent_0", "agent_1")}
     assert teams.detect(("adversary_0", "adversary_1", "adversary_2", "agent_0")) == \
@@ -94,6 +101,7 @@ def test_a_team_view_shows_its_agents_and_reward_and_steps_the_others_inside():
         # the same step of the whole env, the adversary doing nothing (noop = action 0)
         full_ts, full_state = full_step(jax.random.split(k)[1], full_state, jnp.concatenate([jnp.zeros(1, jnp.int32), actions]))
         np.testing.assert_allclose(ts.reward, full_ts.reward[1:])  # the team's own reward
+        np.testing.assert_allclose(state.rewards, full_ts.reward)  # every agent's, for scoring each team
         np.testing.assert_allclose(ts.obs, full_ts.obs[1:])
         assert ts.obs.shape == (2, 10) and ts.avail_actions.shape == (2, 5)
     np.testing.assert_allclose(state.env_state.p_pos[0], start)  # the noop adversary stayed put
@@ -131,6 +139,44 @@ def test_a_flow_trains_one_team_against_a_random_opponent(agent_run):
     # the agents share simple_adversary's good-team reward; the adversary's is not there
     np.testing.assert_allclose(reward[..., 0], reward[..., 1])
     assert np.isfinite(ds.obs.values).all() and ds.sizes["step"] == 32  # 2 regions of 16 steps
+
+
+def test_eval_and_render_of_a_team_run_score_each_team(agent_run, tmp_path, capsys):
+    """`marl eval` reports each team's own return and win rate (the fixed opponent's too);
+    `--render` draws the whole env, the random adversary moving beside the trained agents."""
+    from pipelines.render import play_episodes
+    from pipelines.saved_run import load_run
+
+    run_dir, _ = agent_run
+    assert main(["eval", run_dir, "--episodes", "4", "--json"]) == 0, capsys.readouterr().err
+    report = json.loads(capsys.readouterr().out)
+    assert report["teams"] == {"adversary": "opponent=random", "agent": "trained"}
+    assert report["metrics"] == ["adversary_win_rate", "adversary_return", "agent_win_rate", "agent_return", "length"]
+    row = report["per_seed"][0]
+    assert row["length"] == 26 and row["agent_win_rate"] == 0  # MPE: whole episodes, no win signal
+    for team in ("adversary", "agent"):
+        lo, hi = report["mean"][f"{team}_return_ci95"]
+        assert lo <= row[f"{team}_return"] <= hi and lo < hi
+    # simple_adversary: the agents gain what the adversary loses (its reward is -its distance to the
+    # goal; theirs is the adversary's distance minus their nearest one's), so the two differ
+    assert row["agent_return"] != row["adversary_return"]
+    assert main(["eval", run_dir, "--episodes", "4"]) == 0
+    table = capsys.readouterr().out
+    assert "teams: adversary opponent=random, agent trained" in table and "agent return [95% CI]" in table
+    run = load_run(run_dir)
+    (episode,) = play_episodes(run, 1, max_steps=4)
+    _, state, actions = episode.steps[0]
+    assert actions.shape == (3,) and state.p_pos.shape == (5, 2)  # every agent's action, the whole world drawn
+    assert np.abs(episode.steps[-1][1].p_pos[0] - state.p_pos[0]).max() > 0  # the random adversary moved
+    assert set(episode.teams) == {"adversary", "agent"}
+    out = tmp_path / "teams.gif"
+    assert main(["eval", run_dir, "--render", str(out), "--render-episodes", "1", "--render-steps", "4"]) == 0
+    line = capsys.readouterr().out
+    assert "adversary (opponent=random) returns" in line and "agent (trained) returns" in line, line
+    from PIL import Image
+
+    with Image.open(out) as gif:
+        assert gif.n_frames == 4
 
 
 def test_a_team_trains_against_an_exported_policy(agent_run, tmp_path, capsys):
@@ -216,11 +262,46 @@ def test_every_team_learns_with_its_own_learner_and_replay_fields(tmp_path, capf
     assert ds.sizes["adversary_team"] == 1 and ds.sizes["agent_team"] == 2
     # the behaviour log-probabilities are each team's own policy's: finite, and no agent's is the other team's
     assert np.isfinite(ds.logp_adversary.values).all() and np.isfinite(ds.logp_agent.values).all()
-    # the export plays every team, each with its own params
-    out_dir = tmp_path / "both"
-    assert main(["export", config.run_dir, "--out", str(out_dir)]) == 0, capfd.readouterr().err
-    policy = load_policy(str(out_dir))
-    actions, _ = policy.act(np.asarray(ds.obs.values[0, 0]))
-    assert actions.shape == (3,) and policy.spec.teams == spec.teams
+    # export: a team alone (--team), or every team as one policy (--team each); none names the teams
+    code, _, err = cli(capfd, "export", config.run_dir, "--out", tmp_path / "x")
+    assert code == 2 and err.count("\n") == 1, err
+    assert "trains teams adversary, agent" in err and "--team adversary or --team agent" in err, err
+    code, _, err = cli(capfd, "export", config.run_dir, "--out", tmp_path / "both", "--team", "each")
+    assert code == 0, err
+    policy = load_policy(str(tmp_path / "both"))
+    obs, avail = ds.obs.values[:4, 0], ds.avail_actions.values[:4, 0]  # [step, agent, ...] as a batch of envs
+    actions, _ = policy.act(obs, avail)
+    assert actions.shape == (4, 3) and policy.spec.teams == spec.teams
+    code, _, err = cli(capfd, "export", config.run_dir, "--out", tmp_path / "agents", "--team", "agent")
+    assert code == 0, err
+    agents = load_policy(str(tmp_path / "agents"))
+    assert agents.spec.agents == ("agent_0", "agent_1") and agents.spec.obs_dim == 10 and not agents.spec.teams
+    mine, _ = agents.act(obs[:, 1:, :10], avail[:, 1:])
+    np.testing.assert_array_equal(mine, actions[:, 1:])  # the team's learner's own actions
+    # and usable as the fixed opponent of a run that trains the adversary
+    assert envs.make(ADVERSARY, train_team="adversary", opponent=str(tmp_path / "agents")).opponent_agents == \
+        ("agent_0", "agent_1")
+    # eval scores both teams, each trained
+    code, out, err = cli(capfd, "eval", config.run_dir, "--episodes", 2, "--json")
+    assert code == 0, err
+    report = json.loads(out)
+    assert report["teams"] == {"adversary": "trained", "agent": "trained"}
+    assert np.isfinite([report["mean"]["adversary_return"], report["mean"]["agent_return"]]).all()
     with pytest.raises(envs.EnvError, match="train_team=each .* has one team"):
         envs.make("mpe:simple_spread", train_team="each")
+
+
+def test_a_training_smax_enemy_team_wins_when_the_allies_are_wiped_out():
+    """jaxmarl's SMAX with both sides as agents: the enemy team's `won` is the enemies' win
+    (allies all dead, some enemy alive); both wiped out at once is a draw, nobody's win."""
+    view = envs.make("jaxmarl:SMAX", scenario="3m", train_team="enemy", opponent="noop")
+    assert view.spec.agents == ("enemy_0", "enemy_1", "enemy_2")
+    ts, state = view.reset(jax.random.PRNGKey(0))
+    step = jax.jit(view.step)
+    health = state.env_state.unit_health
+    for dead, enemy_won, ally_won in [(slice(0, 3), True, False), (slice(3, 6), False, True),
+                                      (slice(0, 6), False, False), (slice(0, 0), False, False)]:
+        start = state._replace(env_state=state.env_state.replace(unit_health=health.at[dead].set(0.0)))
+        ts, after = step(jax.random.PRNGKey(1), start, jnp.zeros(3, jnp.int32))
+        assert bool(ts.first) == (dead.stop > dead.start)  # a side wiped out ends the episode
+        assert bool(ts.won) == enemy_won and after.teams_won.tolist() == [ally_won, enemy_won], dead
