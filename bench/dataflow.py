@@ -12,8 +12,16 @@ the same env steps (test win rate for SMAX, test return for MPE).
 
     python bench/dataflow.py [--algos qmix mappo maddpg] [--seeds 0 1 2]
                              [--settings plain K=0,C=1 K=1,C=1 ...] [--env-steps qmix=100000 ...]
+                             [--results-name dataflow] [--report-only]
 
-Writes bench/results/dataflow.{json,md,png}.
+Busy fractions are of the whole wall (start-up compile included); the learner's also of the
+steady state (the iterations after the first evaluation; the learner trains them in order,
+so each iteration's train time over the time since the previous one is its busy share).
+The collectors' has no per-iteration equivalent: with K >= 1 a region is collected while
+earlier iterations train.
+
+Writes bench/results/dataflow.{json,md,png}; --report-only rebuilds the table and figure
+from that JSON.
 """
 
 from __future__ import annotations
@@ -125,6 +133,14 @@ def steady(rows: list[dict]) -> dict:
             "test_win_rate": final.get("test_win_rate"), "test_return": final.get("test_return")}
 
 
+def steady_learner_busy(rows: list[dict]) -> float:
+    """The learner's busy fraction over the iterations after the first evaluation (every
+    stage compiled), weighted by each iteration's wall time."""
+    first = next((i for i, r in enumerate(rows[:-1]) if "test_return" in r), 0)
+    spans = [(b["wall_s"] - a["wall_s"], b["learner_busy"]) for a, b in zip(rows[first:], rows[first + 1:])]
+    return sum(w * busy for w, busy in spans) / (sum(w for w, _ in spans) or 1e-9)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--algos", nargs="+", default=DEFAULT_ALGOS, choices=list(PRESETS))
@@ -133,8 +149,16 @@ def main():
     parser.add_argument("--env-steps", nargs="*", default=[], help="algo=steps, e.g. qmix=200000")
     parser.add_argument("--run-root", default="runs/bench-dataflow")
     parser.add_argument("--results-name", default="dataflow")
+    parser.add_argument("--report-only", action="store_true", help="rebuild the table and figure from the JSON")
     args = parser.parse_args()
     budget = {**BUDGET, **{k: int(v) for k, v in (kv.split("=") for kv in args.env_steps)}}
+    if args.report_only:
+        import json
+
+        with open(os.path.join(report.RESULTS, f"{args.results_name}.json")) as f:
+            saved = json.load(f)
+        write_report(args, saved["budget"], saved["results"], command=saved["command"])
+        return
 
     report.embedded_prefect()
 
@@ -156,7 +180,11 @@ def main():
                 r = results[-1]
                 print(f"[{algo} {setting} seed {seed}] {r['env_steps_per_s']:,.0f} env steps/s, "
                       f"{r['updates_per_s']:,.1f} updates/s, test return {r['test_return']}", flush=True)
+    write_report(args, budget, results)
 
+
+def write_report(args, budget: dict, results: list[dict], command: str | None = None):
+    args.algos = [a for a in args.algos if any(r["algo"] == a for r in results)]
     rows = []
     for algo in args.algos:
         mine = [r for r in results if r["algo"] == algo]
@@ -169,6 +197,7 @@ def main():
             sps = _mean(r["env_steps_per_s"] for r in runs)
             flows = [r["dataflow"] for r in runs if r["dataflow"]]
             busy = lambda k: f"{_mean(f[k] for f in flows):.2f}" if flows else "-"
+            steady = [steady_learner_busy(r["rows"]) for r in runs if r["dataflow"]]
             score = "win" if algo == "qmix" else "return"  # SMAX: win rate; MPE: return
             values = [r[f"test_{score}_rate" if algo == "qmix" else "test_return"] for r in runs]
             lags = {}
@@ -178,14 +207,17 @@ def main():
             rows.append([algo, setting, f"{runs[0]['env_steps']:,}", f"{sps:,.0f}",
                          f"{_mean(r['updates_per_s'] for r in runs):,.1f}",
                          f"{sps / plain:.2f}" if plain else "-", f"{sps / k0:.2f}" if k0 else "-",
-                         busy("learner_busy"), busy("collector_busy"),
+                         f"{busy('learner_busy')} / {_mean(steady):.2f}" if steady else "-",
+                         busy("collector_busy"),
                          " ".join(f"{k}:{v}" for k, v in sorted(lags.items(), key=lambda kv: int(kv[0]))) or "-",
                          _fmt_scores(score, values)])
     plt = report.save(
         args.results_name, {"budget": budget, "results": results},
         ["algo", "setting", "env steps", "env steps/s", "updates/s", "x plain", "x K=0",
-         "learner busy", "collectors busy", "policy lag (regions)", "final score (seeds)"],
-        ["---", "---", "---:", "---:", "---:", "---:", "---:", "---:", "---:", "---", "---"], rows)
+         "learner busy (wall / steady)", "collectors busy (wall)", "policy lag (regions)",
+         "final score (seeds)"],
+        ["---", "---", "---:", "---:", "---:", "---:", "---:", "---:", "---:", "---", "---"], rows,
+        command=command)
 
     print("\nwhere the pipeline's time went (seconds, summed over the run):")
     for r in results:

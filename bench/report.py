@@ -11,10 +11,12 @@ import sys
 RESULTS = os.environ.get("MARL_BENCH_RESULTS") or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
 
-def save(name: str, payload: dict, header: list[str], align: list[str], rows: list[list[str]]):
-    """Writes <name>.json and <name>.md, prints the table, and returns pyplot for the figure."""
+def save(name: str, payload: dict, header: list[str], align: list[str], rows: list[list[str]],
+         command: str | None = None):
+    """Writes <name>.json and <name>.md, prints the table, and returns pyplot for the figure.
+    `command`: the one that measured it, where this call only rebuilds the report."""
     os.makedirs(RESULTS, exist_ok=True)
-    command = " ".join(["python", f"bench/{os.path.basename(sys.argv[0])}", *sys.argv[1:]])
+    command = command or " ".join(["python", f"bench/{os.path.basename(sys.argv[0])}", *sys.argv[1:]])
     with open(os.path.join(RESULTS, f"{name}.json"), "w") as f:
         json.dump({"command": command, **payload}, f, indent=2)
     lines = ["| " + " | ".join(header) + " |", "|" + "|".join(align) + "|"]
