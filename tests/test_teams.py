@@ -220,6 +220,9 @@ def test_a_pettingzoo_team_collects_against_a_fixed_opponent(tmp_path):
         ts = env.step(np.array([1, 2]))
     assert ts.obs.shape == (2, 10) and ts.reward.shape == (2,)
     np.testing.assert_allclose(env.env.unwrapped.world.agents[0].state.p_pos, start)  # noop: it stayed
+    rewards = env.env.rewards  # every agent's, the opponent's too (for scoring each team)
+    assert set(rewards) == {"adversary_0", "agent_0", "agent_1"} and ts.reward.tolist() == \
+        pytest.approx([rewards["agent_0"], rewards["agent_1"]])
     config = make_run_config(TINY, env_id="pz:mpe2.simple_adversary_v3", run_dir=str(tmp_path / "run"),
                              n_collectors=1, overrides={"train_team": "adversary", "envs_per_collector": "2",
                                                         "steps_per_region": "30"})
@@ -232,6 +235,15 @@ def test_a_pettingzoo_team_collects_against_a_fixed_opponent(tmp_path):
     data = ReplayStore.open(config.store_path).read_region(0)
     assert data["obs"].shape == (30, 2, 1, 8) and data["action"].shape == (30, 2, 1)
     assert data["truncated"].any()  # through an episode end (25 steps) and its auto-reset
+    # eval scores both teams, the random agents' return read off the wrapper
+    from pipelines.saved_run import SavedRun, evaluate_run
+
+    parts = stages.RunParts.build(config)
+    params = parts.single_seed.policy_params(parts.single_seed.init(jax.random.PRNGKey(0)))
+    report = evaluate_run(SavedRun(config, parts, 0, {"env_steps": 0}, params), episodes=2)
+    row = report["per_seed"][0]
+    assert report["teams"] == {"adversary": "trained", "agent": "opponent=random"} and row["length"] == 25
+    assert row["adversary_return"] < 0 and row["agent_return"] != row["adversary_return"]  # -its goal distance
 
 
 def test_every_team_learns_with_its_own_learner_and_replay_fields(tmp_path, capfd):
