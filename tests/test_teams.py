@@ -185,6 +185,9 @@ def test_a_team_trains_against_an_exported_policy(agent_run, tmp_path, capsys):
     assert main(["export", run_dir, "--out", str(out)]) == 0, capsys.readouterr().err
     policy = load_policy(str(out))
     assert policy.spec.agents == ("agent_0", "agent_1")
+    code, _, err = cli(capsys, "export", run_dir, "--out", tmp_path / "x", "--team", "adversary")
+    assert code == 2 and err.count("\n") == 1 and "did not train in this run (it played the fixed " \
+        "opponent=random); only team agent trained: pass --team agent or drop --team" in err, err
     # the adversary trains against the exported agents, which act greedily inside the step
     view = envs.make(ADVERSARY, train_team="adversary", opponent=str(out))
     ts, state = view.reset(jax.random.PRNGKey(0))
@@ -317,3 +320,11 @@ def test_a_training_smax_enemy_team_wins_when_the_allies_are_wiped_out():
         ts, after = step(jax.random.PRNGKey(1), start, jnp.zeros(3, jnp.int32))
         assert bool(ts.first) == (dead.stop > dead.start)  # a side wiped out ends the episode
         assert bool(ts.won) == enemy_won and after.teams_won.tolist() == [ally_won, enemy_won], dead
+    # train_team=each: evaluation reads both sides' wins off the whole env
+    whole = envs.make("jaxmarl:SMAX", scenario="3m", train_team="each")
+    env, names, score = teams.team_scores(whole)
+    ts, state = env.reset(jax.random.PRNGKey(0))
+    state = state.replace(unit_health=state.unit_health.at[:3].set(0.0))
+    ts, state = jax.jit(env.step)(jax.random.PRNGKey(1), state, jnp.zeros(6, jnp.int32))
+    reward, won = score(ts, state)
+    assert names == ("ally", "enemy") and won.tolist() == [False, True] and reward.shape == (2,)
