@@ -155,9 +155,10 @@ def add_commands(sub) -> None:
                        description="Restore a run's latest (or --checkpoint N) checkpoint, rebuild its env and "
                        "learner from the run's own config, play --episodes greedy episodes per seed on fresh "
                        "envs in this process, and print win rate, return and length per seed (95% intervals "
-                       "over episodes) and across seeds (mean +- std, 95% interval over seeds). With --render PATH it "
-                       "plays --render-episodes greedy episodes instead and writes them as a GIF (or MP4) drawn "
-                       "by the env's own visualiser.")
+                       "over episodes) and across seeds (mean +- std, 95% interval over seeds); on a team run "
+                       "(train_team=...) each team's own win rate and return, the fixed opponent's too. With "
+                       "--render PATH it plays --render-episodes greedy episodes instead and writes them as a GIF "
+                       "(or MP4) drawn by the env's own visualiser, every team playing its own policy.")
     p.add_argument("run_dir", metavar="RUN_DIR", help="a `marl train` run dir, e.g. runs/qmix-smac")
     p.add_argument("--checkpoint", type=int, help="checkpoint step (iteration) to restore (default: the latest)")
     p.add_argument("--episodes", type=int, help="greedy episodes per seed (default: the run's eval_episodes)")

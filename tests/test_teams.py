@@ -302,6 +302,9 @@ def test_every_team_learns_with_its_own_learner_and_replay_fields(tmp_path, capf
     report = json.loads(out)
     assert report["teams"] == {"adversary": "trained", "agent": "trained"}
     assert np.isfinite([report["mean"]["adversary_return"], report["mean"]["agent_return"]]).all()
+    code, out, err = cli(capfd, "eval", config.run_dir, "--render", tmp_path / "each.gif", "--render-episodes", 1,
+                         "--render-steps", 2)
+    assert code == 0 and "adversary (trained) returns" in out and "agent (trained) returns" in out, err
     with pytest.raises(envs.EnvError, match="train_team=each .* has one team"):
         envs.make("mpe:simple_spread", train_team="each")
 
