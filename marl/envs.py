@@ -9,8 +9,11 @@
 
 `marl envs` lists every id. Each spec is derived from the env's own spaces: discrete,
 multi-discrete (one index over the product) or continuous actions; observations of any
-shape flattened; the env's global state where it has one, else the agents' observations
-concatenated; avail-action masks where the env gives them (SMAX, Hanabi's legal moves).
+shape flattened, except a PettingZoo env's image observations ((H, W, C) uint8, e.g.
+pz:pettingzoo.butterfly.pistonball_v6), kept whole as uint8 for a conv encoder
+(EnvSpec.obs_shape, marl.encoders); the env's global state where it has one, else the
+agents' observations concatenated (images: stacked on the channel axis); avail-action masks
+where the env gives them (SMAX, Hanabi's legal moves).
 Agents with different observation or action sizes are padded to the largest (JaxEnv).
 
 JAX envs are adapted to arrays: every step returns a `Timestep` whose leaves are stacked
@@ -58,10 +61,25 @@ class EnvSpec:
     # train_team=each: one learner per team, (name, agents, obs_dim, n_actions, action_dim)
     # each (marl.teams.team_learners); () trains every agent as one team
     teams: tuple = ()
+    # image observations (PettingZoo envs whose agents see (H, W, C) uint8 pixels) are kept
+    # whole, not flattened: obs_shape is one agent's image (obs_dim its size) and
+    # state_shape the state's where it is an image too; () = a flat float32 vector
+    obs_shape: tuple[int, ...] = ()
+    state_shape: tuple[int, ...] = ()
 
     @property
     def n_agents(self) -> int:
         return len(self.agents)
+
+    @property
+    def agent_obs(self) -> tuple[tuple[int, ...], str]:
+        """(shape, dtype) of one agent's observation as envs give it and learners take it."""
+        return (self.obs_shape, IMAGE_DTYPE) if self.obs_shape else ((self.obs_dim,), "float32")
+
+    @property
+    def global_state(self) -> tuple[tuple[int, ...], str]:
+        """(shape, dtype) of the global state as envs give it and learners take it."""
+        return (self.state_shape, IMAGE_DTYPE) if self.state_shape else ((self.state_dim,), "float32")
 
     @property
     def mask_width(self) -> int:
@@ -73,7 +91,11 @@ class EnvSpec:
     @classmethod
     def from_dict(cls, d: dict) -> "EnvSpec":
         teams = tuple((t[0], tuple(t[1]), *t[2:]) for t in d.get("teams", ()))
-        return cls(**{**d, "agents": tuple(d["agents"]), "teams": teams})
+        shapes = {k: tuple(d.get(k, ())) for k in ("obs_shape", "state_shape")}
+        return cls(**{**d, "agents": tuple(d["agents"]), "teams": teams, **shapes})
+
+
+IMAGE_DTYPE = "uint8"  # image observations and states: pixels as the env gives them
 
 
 class Timestep(NamedTuple):
@@ -81,8 +103,8 @@ class Timestep(NamedTuple):
     reset: obs/state/avail_actions are the next episode's first ones (`first`), while
     reward/terminated/truncated/won describe the step that ended the old one."""
 
-    obs: Any  # [agent, obs_dim] float32, what each agent sees before acting
-    state: Any  # [state_dim] float32, global state for mixers and centralised critics
+    obs: Any  # [agent, obs_dim] float32, what each agent sees before acting (images: [agent, H, W, C] uint8)
+    state: Any  # [state_dim] float32, global state for mixers and centralised critics (an image: [H, W, C] uint8)
     avail_actions: Any  # [agent, mask_width] bool
     reward: Any  # [agent] float32, reward of the step that led here
     first: Any  # bool, obs are the first of an episode (a reset, or an auto-reset after an end)
@@ -474,6 +496,8 @@ class PettingZooEnv:
 
     def _timestep(self, obs, reward, first, terminated, truncated) -> Timestep:
         agents, s = self.spec.agents, self.spec
+        if s.obs_shape:
+            return self._image_timestep(obs, reward, first, terminated, truncated)
         obs_arr = np.zeros((s.n_agents, s.obs_dim), np.float32)
         for i, a in enumerate(agents):
             if a in obs:
@@ -490,6 +514,29 @@ class PettingZooEnv:
             avail = np.ones((s.n_agents, s.mask_width), bool)
         else:
             avail = self._layout["mask"].copy()
+        return Timestep(obs_arr, state, avail, reward, np.bool_(first), np.bool_(terminated),
+                        np.bool_(truncated), np.bool_(False))
+
+    def _image_timestep(self, obs, reward, first, terminated, truncated) -> Timestep:
+        """The Timestep of an env whose agents see images: kept whole as uint8, an agent
+        that is gone sees zeros; the state is the env's state() image, or else the agents'
+        images stacked on the channel axis (see pettingzoo_env)."""
+        s = self.spec
+        obs_arr = np.zeros((s.n_agents, *s.obs_shape), np.uint8)
+        for i, a in enumerate(s.agents):
+            if a in obs:
+                obs_arr[i] = obs[a]
+        try:
+            given = self.env.state()
+        except (AttributeError, NotImplementedError):
+            given = None
+        if given is None:
+            state = np.concatenate(list(obs_arr), axis=-1)
+        elif s.state_shape:
+            state = np.asarray(given, np.uint8)
+        else:  # an image env whose state() is a vector
+            state = np.asarray(given, np.float32).reshape(-1)
+        avail = np.ones((s.n_agents, s.mask_width), bool) if self._layout is None else self._layout["mask"].copy()
         return Timestep(obs_arr, state, avail, reward, np.bool_(first), np.bool_(terminated),
                         np.bool_(truncated), np.bool_(False))
 
@@ -544,6 +591,33 @@ def _flat_np(x) -> np.ndarray:
         else np.zeros(0, np.float32)
 
 
+def _is_image(x) -> bool:
+    """An (H, W, C) uint8 array: an observation kept as an image rather than flattened."""
+    return isinstance(x, np.ndarray) and x.ndim == 3 and x.dtype == np.uint8
+
+
+def _stacked_shape(image_shape: tuple[int, ...], n_agents: int) -> tuple[int, ...]:
+    """The state of an image env without an image state(): the agents' images on channels."""
+    h, w, c = image_shape
+    return (h, w, c * n_agents)
+
+
+def _image_shapes(probe, first_obs: dict, agents) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(obs_shape, state_shape) of a PettingZoo env whose agents all see images of one
+    shape (the state: the env's state() where it is an image, () where it is a vector, the
+    agents' images stacked on channels where there is none); ((), ()) for any other env,
+    whose observations are flattened."""
+    seen = [first_obs[a] for a in agents if a in first_obs]
+    if not seen or not all(_is_image(o) and o.shape == seen[0].shape for o in seen):
+        return (), ()
+    obs_shape = tuple(int(n) for n in seen[0].shape)
+    try:
+        state = np.asarray(probe.state())
+    except (AttributeError, NotImplementedError):
+        return obs_shape, _stacked_shape(obs_shape, len(agents))
+    return obs_shape, (tuple(int(n) for n in state.shape) if _is_image(state) else ())
+
+
 def _make_pettingzoo(env_id: str, target: str, kwargs: dict) -> PettingZooEnv:
     module_name, _, attr = target.rpartition(".")
     if not module_name:
@@ -551,7 +625,13 @@ def _make_pettingzoo(env_id: str, target: str, kwargs: dict) -> PettingZooEnv:
     try:
         module = importlib.import_module(f"{module_name}.{attr}")
         factory_fn = module.parallel_env
+    except ModuleNotFoundError as e:
+        if e.name and not f"{target}.".startswith(f"{e.name}."):  # a package the env's module needs
+            raise EnvError(f"{env_id} needs {e.name}, which is not installed; {_install_hint(module_name, e.name)}") from None
+        module = None
     except (ImportError, AttributeError):
+        module = None
+    if module is None:
         try:
             module = importlib.import_module(module_name)
             factory_fn = getattr(module, attr)
@@ -559,12 +639,25 @@ def _make_pettingzoo(env_id: str, target: str, kwargs: dict) -> PettingZooEnv:
         except (ImportError, AttributeError):
             raise EnvError(f"unknown PettingZoo env {env_id!r}: no importable parallel_env at "
                            f"{target}; install its package or fix the id (e.g. pz:mpe2.simple_spread_v3)") from None
-    _check_kwargs(env_id, factory_fn, kwargs)
+    # a ParallelEnv made by parallel_wrapper_fn takes **kwargs: check them against its raw env's
+    wrapped = factory_fn is getattr(module, "parallel_env", None) and hasattr(module, "raw_env")
+    _check_kwargs(env_id, module.raw_env if wrapped else factory_fn, kwargs)
 
     def factory():
         return factory_fn(**kwargs)
 
     return pettingzoo_env(env_id, factory)
+
+
+# PettingZoo families whose packages an extra of this project installs
+PETTINGZOO_EXTRAS = {"pettingzoo.butterfly": "butterfly"}
+
+
+def _install_hint(module_name: str, missing: str) -> str:
+    extra = next((x for prefix, x in PETTINGZOO_EXTRAS.items() if module_name.startswith(prefix)), None)
+    if extra:
+        return f"install the {extra} extra (pip install 'marl-dataflow[{extra}]')"
+    return f"install it (pip install {missing})"
 
 
 def pettingzoo_env(env_id: str, factory) -> PettingZooEnv:
@@ -575,16 +668,17 @@ def pettingzoo_env(env_id: str, factory) -> PettingZooEnv:
     # the observations as they come (a dict or image space has no flat shape to read)
     obs_dim = max(_flat_np(first_obs[a]).size for a in agents if a in first_obs)
     layout = action_layout(env_id, [probe.action_space(a) for a in agents])
+    obs_shape, state_shape = _image_shapes(probe, first_obs, agents)
     try:
         state_dim = int(np.prod(probe.state().shape))
     except (AttributeError, NotImplementedError):
-        state_dim = obs_dim * len(agents)
+        state_dim = int(np.prod(state_shape)) if state_shape else obs_dim * len(agents)
     limit = int(getattr(probe, "max_cycles", 0) or getattr(getattr(probe, "unwrapped", probe), "max_cycles", 0) or 0)
     spec = EnvSpec(
         env_id=env_id, agents=agents, obs_dim=obs_dim, state_dim=state_dim, discrete=layout["discrete"],
         n_actions=layout["n_actions"], action_dim=layout["action_dim"], action_low=layout["action_low"],
         action_high=layout["action_high"], has_avail_actions=bool(not layout["mask"].all()),
-        episode_limit=limit, backend="numpy")
+        episode_limit=limit, backend="numpy", obs_shape=obs_shape, state_shape=state_shape)
     probe.close()
     return PettingZooEnv(factory, spec)
 
@@ -639,6 +733,9 @@ def make(env_id: str, **kwargs):
     if train_team is None:
         env.teams = groups
         return env
+    if env.spec.obs_shape:
+        raise EnvError(f"{env_id}: train_team= with image observations is not supported yet; "
+                       "drop train_team to train all agents as one team")
     if train_team == team_settings.EACH:  # every agent acts through the learner, one per team
         env.spec = dataclasses.replace(env.spec, teams=team_settings.learning_teams(env, groups))
         env.teams = groups

@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from marl import buffer, transition
+from marl import buffer, encoders, transition
 from marl.envs import EnvSpec
 from marl.learner import Learner
 
@@ -89,13 +89,19 @@ class Config:
 
 
 class MLP(nn.Module):
-    """Two ReLU layers and a linear head: the actor (obs -> action) and critic (-> Q)."""
+    """Two ReLU layers and a linear head: the actor (obs -> action) and critic (-> Q). With
+    image observations the images go through the conv encoder first and their features come
+    before the rest of the input: [..., H, W, C] (an actor's own) or [..., agent, H, W, C]
+    (a critic's, every agent's features side by side)."""
 
     hidden: int
     out: int
+    encoder: nn.Module | None = None  # image observations (marl.encoders)
 
     @nn.compact
-    def __call__(self, x):
+    def __call__(self, x, images=None):
+        if images is not None:
+            x = jnp.concatenate([self.encoder(images).reshape(*x.shape[:-1], -1), x], axis=-1)
         x = nn.relu(nn.Dense(self.hidden)(x))
         x = nn.relu(nn.Dense(self.hidden)(x))
         return nn.Dense(self.out)(x)
@@ -169,12 +175,13 @@ def make_learner(spec: EnvSpec, config: Config):
     n_agents, discrete = spec.n_agents, spec.discrete
     act_size = spec.n_actions if discrete else spec.action_dim
     learned_std = config.learned_std and not discrete
-    actor = MLP(config.hidden, 2 * act_size if learned_std else act_size)
+    # image observations: each actor and each critic has a conv encoder of its own
+    actor = MLP(config.hidden, 2 * act_size if learned_std else act_size, encoders.for_image(spec.obs_shape))
     n_q = 2 if config.twin_critics else 1  # critics per agent
     # twin: two independent MLPs, their outputs on the last axis
     critic_cls = nn.vmap(MLP, variable_axes={"params": 0}, split_rngs={"params": True},
                          in_axes=None, out_axes=-1, axis_size=2) if config.twin_critics else MLP
-    critic = critic_cls(config.hidden, 1)
+    critic = critic_cls(config.hidden, 1, encoders.for_image(spec.obs_shape))
     low, high = spec.action_low, spec.action_high
     # networks live stacked on a leading axis; agent i uses network net_of[i]
     n_nets = 1 if config.share_params else n_agents
@@ -197,11 +204,16 @@ def make_learner(spec: EnvSpec, config: Config):
 
     def init(key) -> dict:
         k_actor, k_critic, key = jax.random.split(key, 3)
-        obs = jnp.zeros((1, spec.obs_dim + agent_ids.shape[1]))
-        joint = jnp.zeros((1, joint_size + agent_ids.shape[1]))
+        if spec.obs_shape:  # the images apart, through the encoder
+            image = jnp.zeros((1, *spec.obs_shape), spec.agent_obs[1])
+            obs, joint = (jnp.zeros((1, agent_ids.shape[1])), image), (
+                jnp.zeros((1, n_agents * act_size + agent_ids.shape[1])), image[:, None].repeat(n_agents, 1))
+        else:
+            obs = (jnp.zeros((1, spec.obs_dim + agent_ids.shape[1])),)
+            joint = (jnp.zeros((1, joint_size + agent_ids.shape[1])),)
         params = {
-            "actor": jax.vmap(actor.init, (0, None))(jax.random.split(k_actor, n_nets), obs),
-            "critic": jax.vmap(critic.init, (0, None))(jax.random.split(k_critic, n_nets), joint),
+            "actor": jax.vmap(actor.init, (0, *[None] * len(obs)))(jax.random.split(k_actor, n_nets), *obs),
+            "critic": jax.vmap(critic.init, (0, *[None] * len(joint)))(jax.random.split(k_critic, n_nets), *joint),
         }
         return {"params": params, "target_params": params,
                 "actor_opt": jax.vmap(actor_opt.init)(params["actor"]),
@@ -219,6 +231,9 @@ def make_learner(spec: EnvSpec, config: Config):
 
     def actor_outputs(actor_params, obs):
         """obs [..., agent, obs_dim] -> each agent's actor output [..., agent, act_size]."""
+        if spec.obs_shape:  # [..., agent, H, W, C]: each actor its own agent's image
+            ids = jnp.broadcast_to(agent_ids, (*obs.shape[:-3], agent_ids.shape[1]))
+            return jax.vmap(actor.apply, in_axes=(0, -2, -4), out_axes=-2)(per_agent(actor_params), ids, obs)
         ids = jnp.broadcast_to(agent_ids, (*obs.shape[:-1], agent_ids.shape[1]))
         x = jnp.concatenate([obs, ids], axis=-1)
         return jax.vmap(actor.apply, in_axes=(0, -2), out_axes=-2)(per_agent(actor_params), x)
@@ -249,6 +264,10 @@ def make_learner(spec: EnvSpec, config: Config):
         """One agent's Q(all obs, all actions), each of its n_q critics: obs [B, agent, obs],
         actions [B, agent, act] -> [B, n_q]."""
         batch = obs.shape[0]
+        if spec.obs_shape:  # every agent's image through this critic's own encoder
+            x = jnp.concatenate([actions.reshape(batch, -1),
+                                 jnp.broadcast_to(agent_id, (batch, agent_id.shape[0]))], axis=-1)
+            return critic.apply(p, x, obs).reshape(batch, n_q)
         x = jnp.concatenate([obs.reshape(batch, -1), actions.reshape(batch, -1),
                              jnp.broadcast_to(agent_id, (batch, agent_id.shape[0]))], axis=-1)
         return critic.apply(p, x).reshape(batch, n_q)

@@ -35,7 +35,7 @@ import numpy as np
 import optax
 from flax.linen.initializers import constant, orthogonal
 
-from marl import transition
+from marl import encoders, transition
 from marl.envs import EnvSpec
 from marl.learner import Learner
 
@@ -71,7 +71,8 @@ MASKED = -1e9  # logit of an unavailable action: probability exactly 0 in float3
 
 
 class Actor(nn.Module):
-    """obs + agent id -> Dense -> (GRU) -> Dense -> logits (discrete) or mean (continuous).
+    """obs [..., agent, obs] (an image: through the conv encoder) + agent id -> Dense ->
+    (GRU) -> Dense -> logits (discrete) or mean (continuous).
 
     The caller zeroes the GRU memory where an episode starts, so the stored hidden state
     is exactly what the actor saw."""
@@ -82,10 +83,13 @@ class Actor(nn.Module):
     recurrent: bool
     continuous: bool
     log_std_init: float
+    encoder: nn.Module | None = None  # image observations (marl.encoders)
 
     @nn.compact
-    def __call__(self, carry, x):
+    def __call__(self, carry, obs):
         act = ACTIVATIONS[self.activation]
+        x = encoders.encode(self.encoder, obs)
+        x = with_agent_ids(x, x.shape[-2])
         h = act(nn.Dense(self.hidden, kernel_init=orthogonal(np.sqrt(2)), bias_init=constant(0.0))(x))
         if self.recurrent:
             carry, h = nn.GRUCell(self.hidden)(carry, h)
@@ -97,14 +101,25 @@ class Actor(nn.Module):
 
 
 class Critic(nn.Module):
-    """critic input -> Dense -> Dense -> one value."""
+    """What the critic sees + agent id -> Dense -> Dense -> one value per agent: the global
+    state, the same for every agent (central, MAPPO), or the agent's own obs (local, IPPO);
+    an image through the conv encoder (once per state, not per agent)."""
 
     hidden: int
     activation: str
+    n_agents: int
+    central: bool
+    encoder: nn.Module | None = None  # an image state (central) or image obs (local)
 
     @nn.compact
-    def __call__(self, x):
+    def __call__(self, obs, state):  # [..., agent, obs] and [..., state] -> [..., agent]
         act = ACTIVATIONS[self.activation]
+        if self.central:
+            shared = encoders.encode(self.encoder, state)
+            x = jnp.broadcast_to(shared[..., None, :], (*shared.shape[:-1], self.n_agents, shared.shape[-1]))
+        else:
+            x = encoders.encode(self.encoder, obs)
+        x = with_agent_ids(x, self.n_agents)
         h = act(nn.Dense(self.hidden, kernel_init=orthogonal(np.sqrt(2)), bias_init=constant(0.0))(x))
         h = act(nn.Dense(self.hidden, kernel_init=orthogonal(np.sqrt(2)), bias_init=constant(0.0))(h))
         return nn.Dense(1, kernel_init=orthogonal(1.0), bias_init=constant(0.0))(h)[..., 0]
@@ -185,8 +200,10 @@ def make_learner(spec: EnvSpec, config: Config):
     n_agents, discrete = spec.n_agents, spec.discrete
     n_out = spec.n_actions if discrete else spec.action_dim
     actor = Actor(config.hidden, n_out, config.activation, config.recurrent, not discrete,
-                  config.log_std_init)
-    critic = Critic(config.hidden, config.activation)
+                  config.log_std_init, encoders.for_image(spec.obs_shape))
+    central = config.critic == "central"
+    critic = Critic(config.hidden, config.activation, n_agents, central,
+                    encoders.for_image(spec.state_shape if central else spec.obs_shape))
     updates_per_call = config.epochs * config.minibatches
 
     def lr_schedule(count):
@@ -205,19 +222,13 @@ def make_learner(spec: EnvSpec, config: Config):
         # a feed-forward actor carries nothing (one placeholder per env)
         return jnp.zeros((n_envs, n_agents, config.hidden) if config.recurrent else (n_envs,))
 
-    def critic_input(obs, state):
-        """[..., agent, obs_dim] and [..., state_dim] -> the critic's [..., agent, in]."""
-        if config.critic == "local":
-            return with_agent_ids(obs, n_agents)
-        shared = jnp.broadcast_to(state[..., None, :], (*obs.shape[:-1], state.shape[-1]))
-        return with_agent_ids(shared, n_agents)
-
     def init(key) -> dict:
         k_actor, k_critic, key = jax.random.split(key, 3)
-        obs = jnp.zeros((1, n_agents, spec.obs_dim))
+        (obs_shape, obs_dtype), (state_shape, state_dtype) = spec.agent_obs, spec.global_state
+        obs = jnp.zeros((1, n_agents, *obs_shape), obs_dtype)
         carry = jnp.zeros((1, n_agents, config.hidden))
-        params = {"actor": actor.init(k_actor, carry, with_agent_ids(obs, n_agents)),
-                  "critic": critic.init(k_critic, critic_input(obs, jnp.zeros((1, spec.state_dim))))}
+        params = {"actor": actor.init(k_actor, carry, obs),
+                  "critic": critic.init(k_critic, obs, jnp.zeros((1, *state_shape), state_dtype))}
         return {"params": params, "actor_opt": actor_opt.init(params["actor"]),
                 "critic_opt": critic_opt.init(params["critic"]),
                 "updates": jnp.array(0, jnp.int32), "key": key}
@@ -233,7 +244,7 @@ def make_learner(spec: EnvSpec, config: Config):
         if config.recurrent:
             carry = jnp.where(reset[:, None, None], 0.0, carry)
         start_carry = carry
-        carry, out, log_std = actor.apply(params, carry, with_agent_ids(obs, n_agents))
+        carry, out, log_std = actor.apply(params, carry, obs)
         if not config.recurrent:
             carry = start_carry
         extras = {}
@@ -273,7 +284,7 @@ def make_learner(spec: EnvSpec, config: Config):
 
         A recurrent actor unrolls from the stored memory at each sequence's first step,
         zeroing it after every episode end inside the sequence, as the collector did."""
-        x = with_agent_ids(batch["obs"], n_agents)
+        x = batch["obs"]
         if not config.recurrent:
             _, out, log_std = actor.apply(actor_params, jnp.zeros(()), x)
             return out, log_std
@@ -299,7 +310,7 @@ def make_learner(spec: EnvSpec, config: Config):
                 gaussian_entropy(out, log_std))
 
     def values(critic_params, batch):
-        return critic.apply(critic_params, critic_input(batch["obs"], batch["state"]))
+        return critic.apply(critic_params, batch["obs"], batch["state"])
 
     # ------------------------------------------------------------------------ loss
 

@@ -3,6 +3,7 @@
     save_policy(out_dir, algo, algo_config, spec, params)   what `marl export` writes
     policy = load_policy(out_dir)
     actions, carry = policy.act(obs)                        obs [agent, obs_dim] or [env, agent, obs_dim]
+                                                            (images: [.., agent, H, W, C] uint8)
     actions, carry = policy.act(next_obs, avail_actions, carry)
 
 The files: policy.json (format, algorithm and its full Config: the network's shape),
@@ -70,13 +71,15 @@ class Policy:
         first: per-env bools, True where an env's episode starts now (envs that reset on
         their own); default: all where carry is None, none otherwise.
         Actions are int32 [.., agent] (discrete) or float32 [.., agent, action_dim]."""
-        obs = np.asarray(obs, np.float32)
-        single = obs.ndim == 2
+        shape, dtype = self.spec.agent_obs  # images: [.., agent, H, W, C] uint8
+        obs = np.asarray(obs, dtype)
+        single = obs.ndim == 1 + len(shape)
         if single:
             obs = obs[None]
-        if obs.ndim != 3 or obs.shape[1:] != (self.spec.n_agents, self.spec.obs_dim):
+        if obs.shape[1:] != (self.spec.n_agents, *shape):
+            dims = ", ".join(map(str, shape))
             raise PolicyError(f"obs has shape {obs.shape}; this policy takes [env, {self.spec.n_agents} agents, "
-                              f"{self.spec.obs_dim}] or [{self.spec.n_agents}, {self.spec.obs_dim}]")
+                              f"{dims}] or [{self.spec.n_agents}, {dims}]")
         n_envs = obs.shape[0]
         if avail_actions is None:
             avail = np.ones((n_envs, self.spec.n_agents, self.spec.mask_width), bool)

@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from marl import buffer, transition
+from marl import buffer, encoders, transition
 from marl.envs import EnvSpec
 from marl.learner import Learner
 
@@ -67,28 +67,34 @@ ACTION_SPACES = ("discrete",)  # one Q-value per action
 
 
 class AgentRNN(nn.Module):
-    """obs (+ agent id) -> Dense -> GRU -> Q per action. Memory is zeroed where `reset`."""
+    """obs [..., agent, obs] (an image: through the conv encoder) + agent id -> Dense -> GRU
+    -> Q per action. Memory is zeroed where `reset`."""
 
     hidden: int
     n_actions: int
+    encoder: nn.Module | None = None  # image observations (marl.encoders)
 
     @nn.compact
-    def __call__(self, carry, x, reset):
+    def __call__(self, carry, obs, reset):
         carry = jnp.where(reset[..., None], 0.0, carry)
+        x = with_agent_ids(encoders.encode(self.encoder, obs))
         h = nn.relu(nn.Dense(self.hidden)(x))
         carry, h = nn.GRUCell(self.hidden)(carry, h)
         return carry, nn.Dense(self.n_actions)(h)
 
 
 class Mixer(nn.Module):
-    """Q_tot = elu(q . |W1(s)| + b1(s)) . |W2(s)| + V(s); abs weights keep dQ_tot/dQ_i >= 0."""
+    """Q_tot = elu(q . |W1(s)| + b1(s)) . |W2(s)| + V(s); abs weights keep dQ_tot/dQ_i >= 0.
+    An image state goes through the conv encoder first."""
 
     embed: int
     hypernet_embed: int
+    encoder: nn.Module | None = None  # an image state (marl.encoders)
 
     @nn.compact
     def __call__(self, q, state):  # q [..., agent], state [..., state_dim]
         n_agents = q.shape[-1]
+        state = encoders.encode(self.encoder, state)
         hyper = lambda out: nn.Dense(out)(nn.relu(nn.Dense(self.hypernet_embed)(state)))
         w1 = jnp.abs(hyper(n_agents * self.embed)).reshape(*q.shape, self.embed)
         b1 = nn.Dense(self.embed)(state)
@@ -145,9 +151,9 @@ def make_learner(spec: EnvSpec, config: Config):
                          "use a discrete env or an actor-critic preset")
     if config.mixer not in MIXERS:
         raise ValueError(f"unknown mixer {config.mixer!r}; valid: {', '.join(MIXERS)}")
-    agent = AgentRNN(config.hidden, spec.n_actions)
-    mixer = (Mixer(config.mixer_embed, config.hypernet_embed) if config.mixer == "qmix"
-             else MIXERS[config.mixer]())
+    agent = AgentRNN(config.hidden, spec.n_actions, encoders.for_image(spec.obs_shape))
+    mixer = (Mixer(config.mixer_embed, config.hypernet_embed, encoders.for_image(spec.state_shape))
+             if config.mixer == "qmix" else MIXERS[config.mixer]())
     optimizer = optax.chain(optax.clip_by_global_norm(config.max_grad_norm),
                             optax.adam(config.lr))
     n_agents = spec.n_agents
@@ -157,10 +163,11 @@ def make_learner(spec: EnvSpec, config: Config):
 
     def init(key) -> dict:
         k_agent, k_mixer, key = jax.random.split(key, 3)
-        obs = jnp.zeros((1, n_agents, spec.obs_dim + n_agents))
+        (obs_shape, obs_dtype), (state_shape, state_dtype) = spec.agent_obs, spec.global_state
+        obs = jnp.zeros((1, n_agents, *obs_shape), obs_dtype)
         params = {
             "agent": agent.init(k_agent, init_carry(1), obs, jnp.zeros((1, n_agents), bool)),
-            "mixer": mixer.init(k_mixer, jnp.zeros((1, n_agents)), jnp.zeros((1, spec.state_dim))),
+            "mixer": mixer.init(k_mixer, jnp.zeros((1, n_agents)), jnp.zeros((1, *state_shape), state_dtype)),
         }
         return {"params": params, "target_params": params, "opt_state": optimizer.init(params),
                 "updates": jnp.array(0, jnp.int32), "key": key}
@@ -170,7 +177,7 @@ def make_learner(spec: EnvSpec, config: Config):
     def act(params, carry, obs, avail, reset, key, explore):
         """Epsilon-greedy over available actions; params are the agent network's."""
         reset = jnp.broadcast_to(reset[:, None], obs.shape[:2])
-        carry, q = agent.apply(params, carry, with_agent_ids(obs), reset)
+        carry, q = agent.apply(params, carry, obs, reset)
         q = jnp.where(avail, q, -jnp.inf)
         greedy = jnp.argmax(q, axis=-1)
         k_rand, k_explore = jax.random.split(key)
@@ -190,9 +197,9 @@ def make_learner(spec: EnvSpec, config: Config):
     # -------------------------------------------------------------------------- loss
 
     def unroll(agent_params, obs, reset):
-        """Q-values over a window: obs [B, L, agent, obs], reset [B, L] -> [B, L, agent, act]."""
+        """Q-values over a window: obs [B, L, agent, obs...], reset [B, L] -> [B, L, agent, act]."""
         batch = obs.shape[0]
-        x = jnp.swapaxes(with_agent_ids(obs), 0, 1)  # time-major for scan
+        x = jnp.swapaxes(obs, 0, 1)  # time-major for scan
         r = jnp.broadcast_to(jnp.swapaxes(reset, 0, 1)[..., None], x.shape[:3])
 
         def step(carry, inputs):

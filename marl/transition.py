@@ -13,10 +13,15 @@ episode's first ones (`first[t + 1]`): no terminal obs is stored.
 Fields (A = spec.n_agents):
 
     obs            [A, obs_dim] float32, dims (agent, obs_dim): what each agent sees at t
-                   (zero-padded to the widest agent's observation)
+                   (zero-padded to the widest agent's observation); image observations
+                   (spec.obs_shape): [A, H, W, C] uint8, dims (agent, obs_height, obs_width,
+                   obs_channel), the pixels as the env gave them
     state          [state_dim] float32, dims (state_dim,): the global state at t, for mixers
                    and centralised critics (SMAX: jaxmarl's world state, scaled to about
-                   [0, 1]; MPE and PettingZoo without state(): the agents' obs, concatenated)
+                   [0, 1]; MPE and PettingZoo without state(): the agents' obs, concatenated);
+                   an image (spec.state_shape): [H, W, C] uint8, dims (state_height,
+                   state_width, state_channel) (the env's state() image, or without one the
+                   agents' images stacked on channels)
     avail_actions  [A, mask_width] bool, dims (agent, n_actions): the actions each agent may
                    take at t (all True where the env does not restrict them; continuous
                    actions: one True column)
@@ -75,6 +80,12 @@ EXTRAS = "extras"
 FIELDS = tuple(f for f in Transition._fields if f != EXTRAS)
 
 
+def _dims(name: str, image_shape: tuple[int, ...]) -> tuple[str, ...]:
+    """Dim names of obs or state: (name_dim,) for a vector, (name_height, name_width,
+    name_channel) for an image (obs and state images differ in size, so their dims do too)."""
+    return tuple(f"{name}_{d}" for d in ("height", "width", "channel")) if image_shape else (f"{name}_dim",)
+
+
 def _schema(spec: EnvSpec) -> Transition:
     """Each field's (shape, dtype, dims) for one env spec, as a Transition."""
     a = spec.n_agents
@@ -83,9 +94,10 @@ def _schema(spec: EnvSpec) -> Transition:
         action: FieldSpec = ((a,), "int32", ("agent",))
     else:
         action = ((a, spec.action_dim), "float32", ("agent", "act_dim"))
+    (obs_shape, obs_dtype), (state_shape, state_dtype) = spec.agent_obs, spec.global_state
     return Transition(
-        obs=((a, spec.obs_dim), "float32", ("agent", "obs_dim")),
-        state=((spec.state_dim,), "float32", ("state_dim",)),
+        obs=((a, *obs_shape), obs_dtype, ("agent", *_dims("obs", spec.obs_shape))),
+        state=(state_shape, state_dtype, _dims("state", spec.state_shape)),
         avail_actions=((a, spec.mask_width), "bool", ("agent", "n_actions")),
         action=action,
         reward=((a,), "float32", ("agent",)),
