@@ -164,6 +164,10 @@ def marl_train(preset: str = "qmix-smac", env: str | None = None, env_steps: int
                 if start["iteration"]:
                     logger.info("resuming %s at iteration %d (%d env steps) from its checkpoint",
                                 config.run_dir, start["iteration"], start["env_steps"])
+                if start["forgotten_regions"]:
+                    lost = start["forgotten_regions"]
+                    logger.info("the replay's regions %d-%d, collected after the checkpoint, are "
+                                "collected again", lost[0], lost[-1])
             starts.append(start)
             placed[:] = [where]
             for writer in writers:  # (re)opened at the start: they drop what came after it

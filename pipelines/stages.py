@@ -79,7 +79,8 @@ def prepare_run(config, memory_limit: int | None = None) -> dict:
 
     Returns {"iteration", "env_steps", "param_version"} of the latest checkpoint (or zeros),
     "config": the run's config with its ring as fitted, "replay_note": a line saying how
-    the ring was fitted (None where it fits as asked).
+    the ring was fitted (None where it fits as asked), "forgotten_regions": the regions
+    collected after the checkpoint, forgotten by the store to be collected again.
     Everything is checked before anything is written, so bad input leaves a store as it was.
     """
     config = as_config(config)
@@ -93,16 +94,18 @@ def prepare_run(config, memory_limit: int | None = None) -> dict:
         note = None
     else:
         config, note = fit_replay(config, memory(config))
-    open_store(config, env.spec, create=True, learner=learner, requested_transitions=requested)
+    store = open_store(config, env.spec, create=True, learner=learner, requested_transitions=requested)
     checkpoints = Checkpointer(config.checkpoint_dir)
     try:
         start = {"iteration": 0, "env_steps": 0, "param_version": 0}
         if checkpoints.latest_step() is not None:
             meta = checkpoints.metadata()
             start = {k: int(meta[k]) for k in start}
-        return {**start, "config": config.to_dict(), "replay_note": note}
     finally:
         checkpoints.close()
+    # regions collected after the checkpoint (a killed run, a lost learner) are collected again
+    forgotten = store.rewind(start["iteration"] * config.n_collectors)
+    return {**start, "config": config.to_dict(), "replay_note": note, "forgotten_regions": forgotten}
 
 
 def learner_memory(config: RunConfig, spec: envs.EnvSpec, learner, memory_limit: int | None = None):

@@ -968,6 +968,31 @@ class ReplayStore:
         out.sort()
         return out
 
+    def rewind(self, first_lost: int) -> list[int]:
+        """Forgets every region from `first_lost` on, committed or half-written: a run resumed
+        from a checkpoint that ends before them collects them again into the same slots (which
+        a newer region would otherwise guard against its "stale" rewrite), and nothing may
+        train on them meanwhile. Returns the forgotten region ids."""
+        self._require_writable()
+        first_lost = _index(first_lost, "first_lost")
+        slots = range(self.n_slots)
+        coords = self._get("region", slice(None), slots).reshape(self.n_slots, self.steps_per_region)
+        commit = self._get(COMMIT, slice(None), slots)
+        held = {slot: max(int(commit[slot]), int(coords[slot].max())) for slot in slots}
+        lost = [slot for slot in slots if held[slot] >= first_lost]
+        for slot in lost:
+            self._mark_uncommitted(slot)
+            self._set_all({"region": (self._steps(slot), np.full(self.steps_per_region, -1, np.int64))})
+        forgotten = sorted(held[slot] for slot in lost)
+        for region_id in forgotten:  # its commit marker: "ever committed" counts it again when rewritten
+            try:
+                os.remove(os.path.join(self._history_dir, str(region_id)))
+            except FileNotFoundError:
+                pass
+        if forgotten and self._durable and os.path.isdir(self._history_dir):
+            _fsync_dir(Path(self._history_dir))
+        return forgotten
+
     def committed_steps(self) -> int:
         return len(self.committed()) * self.steps_per_region
 

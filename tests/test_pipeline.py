@@ -111,6 +111,30 @@ def test_flow_resumes_from_its_checkpoint(first_run, dask_cluster):
     assert result["history"][0]["total_updates"] == 5 * per_iteration
 
 
+def test_a_run_resumed_behind_its_replay_collects_the_later_regions_again(tmp_path, dask_cluster):
+    """A run that collected past its last checkpoint (killed before the next one) has ring
+    slots holding regions newer than the ones it resumes with: the resumed run forgets them
+    and collects them again, each once, instead of refusing them as stale writes."""
+    import shutil
+
+    from flows.train import marl_train
+
+    run_dir = str(tmp_path / "run")
+    # 2 collectors, a ring of 2 slots, a checkpoint every iteration (orbax keeps the last 3)
+    run = lambda: marl_train(preset="mappo-mpe-tiny", run_dir=run_dir, env_steps=1024,
+                             overrides={"checkpoint_every": "1", "buffer_transitions": "256"},
+                             scheduler_address=dask_cluster.scheduler_address)
+    run()
+    config = make_run_config("mappo-mpe-tiny", run_dir=run_dir)
+    for step in ("3", "4"):  # as if killed after iteration 4's regions, before checkpoint 3
+        shutil.rmtree(os.path.join(config.checkpoint_dir, step))
+    result = run()
+    assert result["resumed_from"] == 2 and [h["iteration"] for h in result["history"]] == [3, 4]
+    store = ReplayStore.open(os.path.join(run_dir, "replay"))
+    assert [r for r, _ in store.committed()] == [6, 7] and store.total_regions_committed() == 8
+    assert store.verify()[0] == []
+
+
 def test_a_killed_marl_train_process_resumes_with_every_region_once(tmp_path, prefect_server, dask_cluster):
     """SIGKILL to the whole `marl train` process group mid-run, then the same command again:
     it resumes from the last checkpoint and ends with every region committed once and the

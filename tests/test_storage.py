@@ -162,6 +162,29 @@ def test_ring_overwrites_oldest(tmp_path):
     assert store.committed() == [(2, 2), (3, 0), (4, 1)]
 
 
+def test_rewind_forgets_the_regions_after_a_checkpoint_so_a_resumed_run_rewrites_them(tmp_path):
+    """A run killed after collecting regions 3-5 (5 half-written) whose checkpoint covers
+    regions 0-2 resumes there: regions 3-5 are forgotten, and rewriting region 3 into slot 0
+    (where region 0 was) is no stale write."""
+    path = tmp_path / "r"
+    store = make_store(path, n_slots=3)
+    for r in range(5):
+        write(store, r)
+    write_failing(store, 5)  # killed mid-write: slot 2 holds half of region 5
+    assert store.committed() == [(3, 0), (4, 1)]
+
+    assert store.rewind(3) == [3, 4, 5]
+    assert store.committed() == [] and store.total_regions_committed() == 3
+    assert store.rewind(3) == []  # nothing left to forget
+    for r in (3, 4, 5):  # the resumed run collects them again, same ids, same slots
+        assert write(store, r) == r % 3
+    assert store.committed() == [(3, 0), (4, 1), (5, 2)]
+    assert store.total_regions_committed() == 6
+    assert store.verify()[0] == []
+    with pytest.raises(StoreError, match="newer region 5"):  # still guarded against stale tasks
+        write(store, 2)
+
+
 # ---------------------------------------------------------------- failures and retries
 class _Boom(RuntimeError):
     pass
