@@ -1,7 +1,8 @@
 """Learner checkpoints with orbax: one step directory per save, state + JSON metadata.
 
 orbax writes each checkpoint into a temporary directory and renames it into place when it
-is complete, so a crash mid-save leaves the previous checkpoint as the latest good one.
+is complete, so a crash mid-save leaves the previous checkpoint as the latest good one (the
+unfinished directory is never listed or restored; the next save removes it).
 orbax is imported lazily so that ``import storage`` stays light (it pulls in jax).
 """
 
@@ -100,6 +101,7 @@ class Checkpointer:
                 f"{self.directory}; save with a step > {latest} or use a new directory"
             )
         self._check_space(step, state, latest)
+        self._drop_unfinished()
         try:
             self._manager.save(
                 step,
@@ -116,6 +118,18 @@ class Checkpointer:
             if one_line is e:
                 raise
             raise one_line from None
+
+    def _drop_unfinished(self) -> None:
+        """Removes the step directories a killed save left unfinished (orbax's
+        `<step>.orbax-checkpoint-tmp`): never listed nor restored, but they hold disk space
+        and orbax warns on the terminal where it meets one. Done here, not on open: readers
+        (`marl runs`, reanalysis) open checkpoints while the run's learner is saving, and
+        this run's own saves have all finished (wait_until_finished above)."""
+        import shutil
+
+        for name in os.listdir(self.directory):
+            if ".orbax-checkpoint-tmp" in name:
+                shutil.rmtree(os.path.join(self.directory, name), ignore_errors=True)
 
     def _check_space(self, step: int, state: dict, latest: int | None) -> None:
         """A one-line StoreError before orbax writes anything where the file system lacks the
