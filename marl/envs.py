@@ -248,11 +248,15 @@ def _quiet_import(name: str):
         return sys.modules[name]
     sys.stdout.flush()
     saved = os.dup(1)
+    # that module sets sys.stdout/stderr to the interpreter's originals, dropping whatever
+    # was there (pytest's capture, whose closed file later breaks logging): put them back
+    streams = sys.stdout, sys.stderr
     try:
         with open(os.devnull, "w") as null:
             os.dup2(null.fileno(), 1)
         return importlib.import_module(name)
     finally:
+        sys.stdout, sys.stderr = streams
         sys.stdout.flush()
         os.dup2(saved, 1)
         os.close(saved)

@@ -72,7 +72,7 @@ class Policy:
         their own); default: all where carry is None, none otherwise.
         Actions are int32 [.., agent] (discrete) or float32 [.., agent, action_dim]."""
         shape, dtype = self.spec.agent_obs  # images: [.., agent, H, W, C] uint8
-        obs = np.asarray(obs, dtype)
+        obs = np.asarray(obs)
         single = obs.ndim == 1 + len(shape)
         if single:
             obs = obs[None]
@@ -80,6 +80,10 @@ class Policy:
             dims = ", ".join(map(str, shape))
             raise PolicyError(f"obs has shape {obs.shape}; this policy takes [env, {self.spec.n_agents} agents, "
                               f"{dims}] or [{self.spec.n_agents}, {dims}]")
+        if np.dtype(dtype) == np.uint8 and np.issubdtype(obs.dtype, np.floating):  # a cast would make [0, 1] floats black
+            raise PolicyError(f"obs are {obs.dtype}; this policy sees uint8 images (0-255 pixels "
+                              f"as the env draws them): pass the env's own observation")
+        obs = obs.astype(dtype, copy=False)
         n_envs = obs.shape[0]
         if avail_actions is None:
             avail = np.ones((n_envs, self.spec.n_agents, self.spec.mask_width), bool)

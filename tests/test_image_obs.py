@@ -135,6 +135,8 @@ def test_exported_policy_plays_like_its_learner(mappo_run, tmp_path, capsys):
         ts = env.step(actions)
     with pytest.raises(marl.PolicyError, match=r"this policy takes \[env, 3 agents, 457, 120, 3\]"):
         policy.act(np.zeros((3, 10), np.float32))
+    with pytest.raises(marl.PolicyError, match="obs are float32; this policy sees uint8 images"):
+        policy.act(np.asarray(ts.obs, np.float32) / 255)
 
 
 def test_qmix_updates_with_the_conv_encoder(tmp_path):
