@@ -77,7 +77,8 @@ def train(algo: str, scenario: str, args, overrides: dict) -> None:
                  "max_wall_s": str(args.max_wall_s), **schedule, **overrides}
     log_path = os.path.join(run_dir, WALL_LOG)
     log = json.load(open(log_path)) if os.path.exists(log_path) else {"sittings": [], "rows": {}}
-    before = sum(s["wall_s"] for s in log["sittings"])
+    # a killed sitting records no wall of its own; its evaluated rows still say how far it got
+    before = max([sum(s["wall_s"] for s in log["sittings"])] + [r["wall_s"] for r in log["rows"].values()])
     started = time.perf_counter()
     where = machine()
 
