@@ -134,4 +134,6 @@ def _float(value) -> float:
 
 
 def _fmt(value) -> str:
+    if isinstance(value, list) and all(isinstance(v, str) for v in value):  # names (a team run's teams)
+        return ", ".join(value)
     return f"{value:.4g}" if isinstance(value, float) else str(value)

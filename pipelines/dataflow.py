@@ -358,12 +358,15 @@ class Dataflow:
         return row
 
     def _attach(self, row: dict, evaluation: dict):
-        row.update(test_win_rate=evaluation["win_rate"], test_return=evaluation["return_mean"])
-        if self.config.n_seeds > 1:  # the spread across seeds, and each seed's own
-            row.update(test_win_rate_std=evaluation["win_rate_std"],
-                       test_return_std=evaluation["return_mean_std"],
-                       test_win_rate_per_seed=evaluation["win_rate_per_seed"],
-                       test_return_per_seed=evaluation["return_mean_per_seed"])
+        # the run's own scores, then (a team run) each team's: test_<team>_win_rate, ...
+        for prefix in ("", *(f"{team}_" for team in evaluation.get("teams", ()))):
+            row.update({f"test_{prefix}win_rate": evaluation[f"{prefix}win_rate"],
+                        f"test_{prefix}return": evaluation[f"{prefix}return_mean"]})
+            if self.config.n_seeds > 1:  # the spread across seeds, and each seed's own
+                row.update({f"test_{prefix}win_rate_std": evaluation[f"{prefix}win_rate_std"],
+                            f"test_{prefix}return_std": evaluation[f"{prefix}return_mean_std"],
+                            f"test_{prefix}win_rate_per_seed": evaluation[f"{prefix}win_rate_per_seed"],
+                            f"test_{prefix}return_per_seed": evaluation[f"{prefix}return_mean_per_seed"]})
 
     def summary(self) -> dict:
         """Run-wide figures: busy fractions of the wall, the lag histogram, where time went."""

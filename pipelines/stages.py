@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from marl import algos, buffer, envs, rollout, seeds
+from marl import algos, buffer, envs, rollout, seeds, teams
 from marl.transition import store_fields
 from marl.learner import Learner
 from pipelines.config import RunConfig
@@ -202,6 +202,8 @@ class LearnerState:
 class EvaluatorState:
     parts: RunParts
     evaluate: Any
+    teams: tuple[str, ...] = ()  # a team run's teams, whose scores the evaluation keeps apart
+    primary: int = 0  # the team whose win rate and return are the run's own (the trained one)
 
 
 _STATES: dict = {}  # (role, abs run dir, *id) -> one of the states above
@@ -503,26 +505,44 @@ def save_checkpoint(config) -> int:
 
 
 def _new_evaluator(config: RunConfig, parts: RunParts) -> EvaluatorState:
-    learner, env = parts.single_seed, parts.env
+    learner = parts.single_seed
+    # a team run scores each team on its own reward and win (marl.teams), not the mean of all
+    env, names, score = teams.team_scores(parts.env) or (parts.env, (), rollout.mean_reward_score)
     make = rollout.make_evaluator if env.spec.backend == "jax" else rollout.make_numpy_evaluator
+    trained = config.env_kwargs.get("train_team")
     return EvaluatorState(parts, make(env, learner.act, learner.init_carry, config.eval_episodes,
-                                      learner.greedy))
+                                      learner.greedy, score),
+                          tuple(names), tuple(names).index(trained) if trained in names else 0)
+
+
+def _evaluation(state: EvaluatorState, stats) -> dict:
+    """One seed's evaluation as floats: a team run's per-team [team] scores become
+    `<team>_win_rate` and `<team>_return_mean`, and the trained team's (the first of
+    train_team=each) are the run's own `win_rate` and `return_mean`."""
+    out = {k: np.asarray(v) for k, v in stats.items()}
+    for i, team in enumerate(state.teams):
+        out[f"{team}_win_rate"], out[f"{team}_return_mean"] = out["win_rate"][i], out["return_mean"][i]
+    if state.teams:
+        out["win_rate"], out["return_mean"] = out["win_rate"][state.primary], out["return_mean"][state.primary]
+    return _scalars(out)
 
 
 def evaluate(config, params, iteration: int) -> dict:
     """Greedy play of `eval_episodes` fresh episodes per seed: win rate, return and length
-    (with several seeds: their mean, plus `<metric>_std` and `<metric>_per_seed`)."""
+    (with several seeds: their mean, plus `<metric>_std` and `<metric>_per_seed`); for a
+    team run each team's too, and "teams" names them."""
     config = as_config(config)
     state = _state("evaluate", config, lambda parts: _new_evaluator(config, parts))
     started = time.perf_counter()
     key = jax.random.fold_in(jax.random.PRNGKey(config.seed + 10_000), iteration)
     if config.n_seeds == 1:
-        return {**_scalars(state.evaluate(params, key)), "evaluate_s": time.perf_counter() - started}
-    runs = [_scalars(state.evaluate(jax.tree.map(lambda p: p[s], params), jax.random.fold_in(key, s)))
-            for s in range(config.n_seeds)]
-    out = {}
-    for name in runs[0]:
-        values = np.array([r[name] for r in runs])
-        out.update({name: float(values.mean()), f"{name}_std": float(values.std()),
-                    f"{name}_per_seed": values.tolist()})
-    return {**out, "evaluate_s": time.perf_counter() - started}
+        out = _evaluation(state, state.evaluate(params, key))
+    else:
+        runs = [_evaluation(state, state.evaluate(jax.tree.map(lambda p: p[s], params), jax.random.fold_in(key, s)))
+                for s in range(config.n_seeds)]
+        out = {}
+        for name in runs[0]:
+            values = np.array([r[name] for r in runs])
+            out.update({name: float(values.mean()), f"{name}_std": float(values.std()),
+                        f"{name}_per_seed": values.tolist()})
+    return {**out, "teams": list(state.teams), "evaluate_s": time.perf_counter() - started}

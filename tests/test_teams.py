@@ -130,6 +130,10 @@ def agent_run(tmp_path_factory, prefect_server, dask_cluster):
 def test_a_flow_trains_one_team_against_a_random_opponent(agent_run):
     run_dir, result = agent_run
     assert result["env_steps"] == 256 and np.isfinite(result["final_eval"]["return_mean"])
+    # the training evaluation scores each team apart; the run's own return is the trained team's
+    final, last = result["final_eval"], result["history"][-1]
+    assert final["teams"] == ["adversary", "agent"] and final["return_mean"] == final["agent_return_mean"]
+    assert last["test_return"] == final["agent_return_mean"] and np.isfinite(last["test_adversary_return"])
     store = ReplayStore.open(os.path.join(run_dir, "replay"))
     assert store.attrs["env_spec"]["agents"] == ["agent_0", "agent_1"]
     assert store.attrs["config"]["env_kwargs"] == {"train_team": "agent", "opponent": "random"}
@@ -262,11 +266,15 @@ def test_every_team_learns_with_its_own_learner_and_replay_fields(tmp_path, capf
         before = stages.policy_params(cfg)
         stats = stages.collect(cfg, 0, 0, before, 0, 0)
         out = stages.train(cfg, 0, 64, True, [stats])
+        evaluation = stages.evaluate(cfg, out["params"], 0)
         stages.clear_caches()
         restored = stages.policy_params(cfg)  # a fresh learner, from the checkpoint
     finally:
         stages.clear_caches()
     assert set(out["params"]) == {"adversary", "agent"}
+    # each team scored on its own reward (the run's own score: the first team's)
+    assert evaluation["teams"] == ["adversary", "agent"] and evaluation["episodes"] > 0
+    assert evaluation["return_mean"] == evaluation["adversary_return_mean"] != evaluation["agent_return_mean"]
     for team in ("adversary", "agent"):  # each team's learner updated its own actor
         assert f"{team}_actor_loss" in out["metrics"] and np.isfinite(out["metrics"][f"{team}_value_loss"])
         moved = jax.tree.map(lambda a, b: np.abs(np.asarray(a) - np.asarray(b)).max(), before[team], out["params"][team])
