@@ -119,11 +119,16 @@ def pipeline(preset: str, env_steps: int, seed: int, lag: int, collectors: int, 
     return {"rows": rows, "dataflow": result["dataflow"]}
 
 
+def steady_rows(rows: list[dict]) -> list[dict]:
+    """The rows from the first evaluation on (by then every stage has compiled)."""
+    first = next((i for i, r in enumerate(rows[:-1]) if "test_return" in r), 0)
+    return rows[first:]
+
+
 def steady(rows: list[dict]) -> dict:
-    """Env steps/s and updates/s from the first evaluation on (by then every stage has
-    compiled) to the end; the last evaluation's scores."""
-    first = next((r for r in rows[:-1] if "test_return" in r), rows[0])
-    last = rows[-1]
+    """Env steps/s and updates/s from the first evaluation on to the end; the last
+    evaluation's scores."""
+    first, last = steady_rows(rows)[0], rows[-1]
     wall = max(last["wall_s"] - first["wall_s"], 1e-9)
     evaluated = [r for r in rows if "test_return" in r]
     final = evaluated[-1] if evaluated else {}
@@ -134,10 +139,10 @@ def steady(rows: list[dict]) -> dict:
 
 
 def steady_learner_busy(rows: list[dict]) -> float:
-    """The learner's busy fraction over the iterations after the first evaluation (every
-    stage compiled), weighted by each iteration's wall time."""
-    first = next((i for i, r in enumerate(rows[:-1]) if "test_return" in r), 0)
-    spans = [(b["wall_s"] - a["wall_s"], b["learner_busy"]) for a, b in zip(rows[first:], rows[first + 1:])]
+    """The learner's busy fraction over the iterations after the first evaluation, weighted
+    by each iteration's wall time."""
+    rows = steady_rows(rows)
+    spans = [(b["wall_s"] - a["wall_s"], b["learner_busy"]) for a, b in zip(rows, rows[1:])]
     return sum(w * busy for w, busy in spans) / (sum(w for w, _ in spans) or 1e-9)
 
 
@@ -184,7 +189,9 @@ def main():
 
 
 def write_report(args, budget: dict, results: list[dict], command: str | None = None):
-    args.algos = [a for a in args.algos if any(r["algo"] == a for r in results)]
+    # what the results hold, in the order they ran (--report-only needs no --algos/--settings)
+    args.algos = list(dict.fromkeys(r["algo"] for r in results))
+    args.settings = list(dict.fromkeys(r["setting"] for r in results))
     rows = []
     for algo in args.algos:
         mine = [r for r in results if r["algo"] == algo]

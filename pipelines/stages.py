@@ -509,10 +509,10 @@ def _new_evaluator(config: RunConfig, parts: RunParts) -> EvaluatorState:
     # a team run scores each team on its own reward and win (marl.teams), not the mean of all
     env, names, score = teams.team_scores(parts.env) or (parts.env, (), rollout.mean_reward_score)
     make = rollout.make_evaluator if env.spec.backend == "jax" else rollout.make_numpy_evaluator
-    trained = config.env_kwargs.get("train_team")
+    names, trained = tuple(names), config.env_kwargs.get("train_team")
     return EvaluatorState(parts, make(env, learner.act, learner.init_carry, config.eval_episodes,
                                       learner.greedy, score),
-                          tuple(names), tuple(names).index(trained) if trained in names else 0)
+                          names, names.index(trained) if trained in names else 0)
 
 
 def _evaluation(state: EvaluatorState, stats) -> dict:

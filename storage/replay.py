@@ -980,7 +980,7 @@ class ReplayStore:
         commit = self._get(COMMIT, slice(None), slots)
         held = {slot: max(int(commit[slot]), int(coords[slot].max())) for slot in slots}
         lost = [slot for slot in slots if held[slot] >= first_lost]
-        for slot in lost:
+        for slot in lost:  # uncommitted first, as a write does: a crash between leaves no commit naming a wiped slot
             self._mark_uncommitted(slot)
             self._set_all({"region": (self._steps(slot), np.full(self.steps_per_region, -1, np.int64))})
         forgotten = sorted(held[slot] for slot in lost)
