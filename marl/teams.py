@@ -49,6 +49,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from marl.envs import EnvError, EnvSpec, JaxEnv, Timestep
+from marl.rollout import mean_reward_score
 
 TEAM_SETTINGS = ("teams", "train_team", "opponent")
 EACH = "each"  # train_team=each: every team learns, one learner each (team_learners)
@@ -474,6 +475,12 @@ def team_pettingzoo_factory(env_id: str, factory, agents, teams: dict, train_tea
 
 
 # ------------------------------------------------------------ scoring each team apart
+
+
+def scoring(env):
+    """(the env to evaluate, team names, score) for marl.rollout's evaluators: team_scores'
+    for a team run, else the env itself, no names and the agents' mean reward and win."""
+    return team_scores(env) or (env, (), mean_reward_score)
 
 
 def team_scores(env):

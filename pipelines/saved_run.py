@@ -93,7 +93,7 @@ def _episode_player(run: SavedRun):
     metrics_of): the stages' evaluator for one env, vmapped over episodes (JAX envs) or
     looped (PettingZoo envs, stepped in NumPy). Made once per run: one compile for every seed."""
     learner = run.parts.single_seed
-    env, names, score = teams.team_scores(run.parts.env) or (run.parts.env, None, rollout.mean_reward_score)
+    env, names, score = teams.scoring(run.parts.env)
     if env.spec.backend == "jax":
         evaluate = jax.jit(jax.vmap(rollout.make_evaluator(env, learner.act, learner.init_carry, 1, learner.greedy,
                                                            score), in_axes=(None, 0)))
@@ -108,7 +108,7 @@ def _episode_player(run: SavedRun):
     def episodes(params, key, n: int) -> dict[str, np.ndarray]:
         stats = play(params, jax.random.split(key, n))
         out = {"length": stats["length_mean"].astype(float)}
-        if names is None:
+        if not names:
             return {"win_rate": stats["win_rate"].astype(float), "return": stats["return_mean"].astype(float), **out}
         for i, team in enumerate(names):  # [episode, team]
             out[f"{team}_win_rate"] = stats["win_rate"][:, i].astype(float)

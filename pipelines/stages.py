@@ -507,9 +507,9 @@ def save_checkpoint(config) -> int:
 def _new_evaluator(config: RunConfig, parts: RunParts) -> EvaluatorState:
     learner = parts.single_seed
     # a team run scores each team on its own reward and win (marl.teams), not the mean of all
-    env, names, score = teams.team_scores(parts.env) or (parts.env, (), rollout.mean_reward_score)
+    env, names, score = teams.scoring(parts.env)
     make = rollout.make_evaluator if env.spec.backend == "jax" else rollout.make_numpy_evaluator
-    names, trained = tuple(names), config.env_kwargs.get("train_team")
+    trained = config.env_kwargs.get("train_team")
     return EvaluatorState(parts, make(env, learner.act, learner.init_carry, config.eval_episodes,
                                       learner.greedy, score),
                           names, names.index(trained) if trained in names else 0)
