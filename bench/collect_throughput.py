@@ -71,6 +71,10 @@ def plain_rollout(n_envs: int, n_steps: int, repeats: int, epsilon: float) -> di
     return {"steps_per_s": n_envs * n_steps * repeats / seconds, "seconds": seconds}
 
 
+def _timings(rolled: dict, written: dict) -> dict:
+    return {**{k: v for k, v in rolled.items() if k != "data"}, **written}
+
+
 def pipeline_collect(client, worker: str, n_envs: int, n_steps: int, repeats: int, streamed: bool) -> dict:
     """The collect stage as the flow runs it: submitted to a Dask worker, params as a future;
     one at a time, or all at once (`streamed`)."""
@@ -83,10 +87,15 @@ def pipeline_collect(client, worker: str, n_envs: int, n_steps: int, repeats: in
     cfg = config.to_dict()
     client.submit(stages.prepare_run, cfg, workers=[worker], pure=False).result()
     params = client.submit(stages.policy_params, cfg, workers=[worker], pure=False)
+
+    def submit(i):  # rollout and write as the dataflow submits them; the parts' times come back
+        rolled = client.submit(stages.rollout, cfg, 0, i, params, 0, 10**6, workers=[worker], pure=False)
+        written = client.submit(stages.write, cfg, rolled, workers=[worker], pure=False)
+        return client.submit(_timings, rolled, written, workers=[worker], pure=False)
+
     # warm up: compile and open the store on the worker, as the first iteration of a run does
-    client.submit(stages.collect, cfg, 0, 0, params, 0, 10**6, workers=[worker], pure=False).result()
+    submit(0).result()
     started = time.perf_counter()
-    submit = lambda i: client.submit(stages.collect, cfg, 0, i, params, 0, 10**6, workers=[worker], pure=False)
     if streamed:
         parts = client.gather([submit(i) for i in range(1, repeats + 1)])
     else:

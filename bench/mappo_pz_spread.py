@@ -14,6 +14,7 @@ Writes bench/results/mappo_pz_spread.{json,md,png}.
 from __future__ import annotations
 
 import argparse
+import operator
 import os
 import shutil
 import sys
@@ -56,7 +57,7 @@ def train(label: str, env: str, env_steps: int, run_dir: str, eval_every: int) -
 
 def throughput(n_workers: int, iterations: int, run_dir: str) -> dict:
     """Env steps/s of the collect stage alone: 2 collect tasks per iteration on n CPU workers."""
-    from distributed import Client, wait
+    from distributed import Client
 
     from pipelines import stages
     from pipelines.cluster import make_cluster, workers as live_workers
@@ -74,8 +75,8 @@ def throughput(n_workers: int, iterations: int, run_dir: str) -> dict:
         def one_iteration(iteration):
             futures = [client.submit(stages.collect, cfg, c, iteration, params, 0, 0,
                                      workers=[workers[c % len(workers)]], pure=False) for c in range(2)]
-            wait(futures)
-            return [f.result() for f in futures]
+            # the regions' ids, not their arrays, come back: errors raise here
+            return client.gather([client.submit(operator.itemgetter("region"), f) for f in futures])
 
         one_iteration(0)  # compiles the policy on every worker
         started = time.perf_counter()

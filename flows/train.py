@@ -35,7 +35,8 @@ class StageError(RuntimeError):
 
 
 # the functions that run as Dask tasks (module of pipelines/, function) and their stage
-STAGES = {("stages", "prepare_run"): "prepare", ("stages", "collect"): "collect", ("stages", "train"): "train",
+STAGES = {("stages", "prepare_run"): "prepare", ("stages", "collect"): "collect",
+          ("stages", "rollout"): "collect", ("stages", "write"): "collect", ("stages", "train"): "train",
           ("stages", "policy_params"): "train", ("stages", "save_checkpoint"): "train",
           ("stages", "evaluate"): "evaluate", ("reanalyze", "prepare"): "reanalyze",
           ("reanalyze", "score_region"): "reanalyze"}

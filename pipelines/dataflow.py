@@ -6,16 +6,21 @@ exactly those regions, which turns learner version i into version i+1. Everythin
 Dask future, and each task names what it needs, so Dask starts it the moment its inputs
 exist and the driver never sits on the critical path:
 
-    collect(i, c)   acts with params of version max(start, i - K)  (K = max_policy_lag)
-    train(i)        needs collect(i, 0..C-1) and train(i-1) (one learner, in order)
+    rollout(i, c)   acts with params of version max(start, i - K)  (K = max_policy_lag)
+    write(i, c)     needs rollout(i, c), on the worker that holds it: stores and commits it
+    train(i)        needs rollout(i, 0..C-1) (the regions, in memory), write(i-1, ..) (the
+                    commits it records) and train(i-1) (one learner, in order); a train
+                    that checkpoints also needs write(i, ..), the regions its checkpoint covers
     evaluate(i)     needs the params of version i+1, on a worker beside the learner
 
 So the learner waits when it is ahead (train(i) waits for its regions), collectors wait
-when they are more than K versions ahead (collect(i) waits for version i-K), and an
+when they are more than K versions ahead (rollout(i) waits for version i-K), and an
 off-policy learner's updates per env step stay exactly its configured ratio, whatever the
 speeds: Reverb's rate limiter, built from the DAG itself. K = 0 is the lock-step schedule,
-reproducible bit for bit; K >= 1 overlaps collect(i) with train(i-1). Params travel as
-futures from the learner's worker to each collector's worker, once per version.
+reproducible bit for bit; K >= 1 overlaps rollout(i) with train(i-1). A region reaches the
+learner from the collector's memory while it is written, so the disk is on no one's
+critical path. Params travel as futures from the learner's worker to each collector's
+worker, once per version.
 
 The driver keeps K + 2 iterations submitted ahead of the learner, reads each train's
 metrics as it completes, and emits one row per iteration in order (waiting for an
@@ -106,8 +111,15 @@ class Watch:
                 return done
 
     def result(self, future: Future):
-        self.wait([future])
-        return future.result()
+        """The future's result, checking on the run meanwhile: a finished future's result can
+        be lost with its worker before the driver fetches it, and then waits on a recompute
+        that may never come (its inputs pinned to a dead learner)."""
+        while True:
+            self.wait([future])
+            try:
+                return future.result(timeout=LIVENESS_S)
+            except TimeoutError:
+                self.check()
 
     def check(self):
         self.checked = time.monotonic()
@@ -187,6 +199,8 @@ def _memory(info: dict) -> str:
 class _Iteration:
     index: int
     metrics: Future  # the train call's metrics (params stay on the learner's worker)
+    writes: list[Future]  # its regions' write results
+    written: list[dict] = dataclasses.field(default_factory=list)
     evaluation: Future | None = None
     trained_at: float | None = None
     result: dict | None = None
@@ -208,6 +222,7 @@ class Dataflow:
         self.first = int(start["iteration"])
         self.lag = int(config.max_policy_lag)
         self.params: dict[int, Future] = {self.first: self._on_learner(stages.policy_params, self.cfg)}
+        self.last_writes: list[Future] = []  # the writes of the last iteration submitted
         self.pending: collections.deque[_Iteration] = collections.deque()
         self.watch = Watch(client, placement.learner, config.run_dir)
         self.waiting: dict[Future, tuple[_Iteration, str]] = {}  # -> (iteration, kind)
@@ -231,20 +246,28 @@ class Dataflow:
         config, cfg = self.config, self.cfg
         version = max(self.first, i - self.lag)
         env_steps = i * config.steps_per_iteration
-        collects = [self.client.submit(stages.collect, cfg, c, i, self.params[version], version, env_steps,
-                                       workers=[self.where.collectors[c]], allow_other_workers=True,
-                                       pure=False, retries=2)
-                    for c in range(config.n_collectors)]
+        rolled = [self.client.submit(stages.rollout, cfg, c, i, self.params[version], version, env_steps,
+                                     workers=[self.where.collectors[c]], allow_other_workers=True,
+                                     pure=False, retries=2)
+                  for c in range(config.n_collectors)]
+        # each region is written where it was made (no copy), beside the collector's rollouts
+        writes = [self.client.submit(stages.write, cfg, r, workers=[self.where.collectors[c]],
+                                     allow_other_workers=True, pure=False, retries=2)
+                  for c, r in enumerate(rolled)]
         last = i == config.n_iterations - 1
         checkpoint = last or (i + 1) % config.checkpoint_every == 0
+        committed = [*self.last_writes, *(writes if checkpoint else [])]
         previous = self.pending[-1].metrics if self.pending else None
         trained = self._on_learner(stages.train, cfg, i, env_steps + config.steps_per_iteration,
-                                   checkpoint, collects, previous, retries=2)
+                                   checkpoint, rolled, committed, previous, retries=2)
+        self.last_writes = writes
         # the params stay on the learner's worker until a collector or evaluator needs them
         self.params[i + 1] = self._on_learner(operator.itemgetter("params"), trained, priority=1)
         metrics = self._on_learner(operator.itemgetter("metrics"), trained, priority=1)
-        it = _Iteration(i, metrics)
+        it = _Iteration(i, metrics, writes)
         self._wait(it, "trained", metrics)
+        for future in writes:
+            self._wait(it, "written", future)
         if last or (i + 1) % config.eval_every == 0:
             # below the collect and train tasks in priority: it fills idle time
             it.evaluation = self._evaluate(self.params[i + 1], i, priority=-1)
@@ -282,9 +305,11 @@ class Dataflow:
                 for future in self.watch.wait(list(self.waiting)):
                     it, kind = self.waiting.pop(future)
                     if kind == "trained":
-                        self._trained(it, future.result())
+                        self._trained(it, self.watch.result(future))
+                    elif kind == "written":
+                        it.written.append(self.watch.result(future))
                     else:
-                        it.evaluated = future.result()
+                        it.evaluated = self.watch.result(future)
                         self.busy["evaluator"] += it.evaluated.pop("evaluate_s", 0.0)
                 self._fill()
                 while self.pending and self._ready(self.pending[0]):
@@ -296,6 +321,7 @@ class Dataflow:
             # assertion (a screenful of traceback) on cancelled tasks whose dependents no client holds
             self.pending.clear()
             self.params.clear()
+            self.last_writes = []
             raise
         last = rows[-1]["iteration"] - 1 if rows else None
         if last is not None and "test_win_rate" not in rows[-1]:
@@ -304,8 +330,9 @@ class Dataflow:
             self._attach(rows[-1], self.final_eval)
         if last is not None and self.stopped_early:
             self.watch.doing = "its final checkpoint"
-            self.watch.result(self._on_learner(stages.save_checkpoint, self.cfg))
+            self.watch.result(self._on_learner(stages.save_checkpoint, self.cfg, self.last_writes))
         self.params.clear()
+        self.last_writes = []
         return rows
 
     def _evaluate_now(self, i: int) -> dict:
@@ -325,7 +352,9 @@ class Dataflow:
 
     @staticmethod
     def _ready(it: _Iteration) -> bool:
-        return it.result is not None and (it.evaluation is None or it.evaluated is not None)
+        """Trained, its regions committed, and evaluated where due."""
+        return (it.result is not None and len(it.written) == len(it.writes)
+                and (it.evaluation is None or it.evaluated is not None))
 
     # -------------------------------------------------------------------- metrics
 
@@ -334,12 +363,15 @@ class Dataflow:
         interval = max(it.trained_at - self.last_trained, 1e-9)
         self.last_trained = it.trained_at
         collected = m["collected"]
-        collect_s = sum(c["collect_s"] for c in collected)
+        parts = {"rollout_s": sum(c["rollout_s"] for c in collected),
+                 "host_copy_s": sum(c["host_copy_s"] for c in collected),
+                 "write_s": sum(w["write_s"] for w in it.written)}
+        collect_s = sum(parts.values())
         self.busy["learner"] += m["train_s"]
         self.busy["collectors"] += collect_s
         self.lags.update(m["lags"])
-        for part in ("rollout_s", "host_copy_s", "write_s"):
-            self.breakdown[part] += sum(c[part] for c in collected)
+        for part, seconds in parts.items():
+            self.breakdown[part] += seconds
         for part in ("read_s", "update_s", "publish_s", "checkpoint_s"):
             self.breakdown[part] += m[part]
         n_collector_workers = len(set(self.where.collectors))

@@ -1,12 +1,16 @@
 """The stages of the dataflow: collect, train, evaluate. Plain functions of JSON-able arguments.
 
-    collect(config, collector, iteration, params, ...)   a region: T steps of N envs with the
-                                                         given policy params, written to the
-                                                         Zarr store and committed
-    train(config, iteration, ..., collected)             the learner picks up exactly the
-                                                         regions `collected` names, updates,
-                                                         and returns the next policy params
+    rollout(config, collector, iteration, params, ...)   a region: T steps of N envs with the
+                                                         given policy params, in host memory
+    write(config, rolled)                                that region written to its slot of
+                                                         the Zarr store and committed
+    train(config, iteration, ..., collected, committed)  the learner trains on the regions
+                                                         `collected` hands it (in memory, while
+                                                         they are written) and returns the
+                                                         next policy params
     evaluate(config, params, iteration)                  greedy episodes on fresh envs
+
+    collect(...) = rollout then write, in one call.
 
 A test calls them directly; `pipelines.dataflow` submits the very same functions to Dask
 workers and decides when each may run (the policy lag, the replay ratio). Each worker keeps
@@ -19,6 +23,7 @@ lands on a fresh worker (a retry, a restart, a resumed run) rebuilds from them.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import sys
@@ -30,7 +35,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from marl import algos, buffer, envs, rollout, seeds, teams
+from marl import algos, buffer, envs, seeds, teams
+from marl import rollout as rollouts  # (`rollout` is the stage below)
 from marl.transition import store_fields
 from marl.learner import Learner
 from pipelines.config import RunConfig
@@ -153,8 +159,8 @@ class RunParts:
         return cls(config, env, single, seeds.vmap_seeds(single, config.n_seeds))
 
 
-# Regions of one collector being written while its next region rolls out: host memory stays
-# at most (1 + this) regions per collector, and writes of one collector land in order.
+# Regions of one collector being written while its next region rolls out: writes of one
+# collector land in order, and a disk slower than the rollouts holds the collector back.
 PENDING_WRITES = 1
 
 
@@ -163,19 +169,24 @@ class CollectorState:
     """One collector's compiled rollout and its envs mid-episode (episodes run on across
     regions); `next_iteration` is the iteration its envs' state is ready for.
 
-    `rollout_lock` is held for a rollout and its host copy only; `retry_from` keeps the envs'
-    state before each iteration whose task has not finished, so a retry rolls out the same
-    bytes again even after the next iteration's rollout has moved the envs on; `writes` bounds
-    the regions being written (PENDING_WRITES)."""
+    `rollout_lock` is held for a rollout and its host copy only."""
 
     parts: RunParts
-    store: ReplayStore
+    store: ReplayStore  # (for its schema: a region leaves the rollout as the store holds it)
     init: Any
     collect: Any
     rollout_state: Any = None
     next_iteration: int = -1
-    retry_from: dict = dataclasses.field(default_factory=dict)
     rollout_lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
+
+
+@dataclasses.dataclass
+class WriterState:
+    """One collector's regions' writer: the store, and `writes`, which bounds the regions
+    being written (PENDING_WRITES). Nothing compiled: it writes wherever the region is."""
+
+    config: RunConfig
+    store: ReplayStore
     writes: threading.BoundedSemaphore = dataclasses.field(
         default_factory=lambda: threading.BoundedSemaphore(PENDING_WRITES))
 
@@ -192,6 +203,9 @@ class LearnerState:
     arrays: dict  # the ring mirror, [slot, T, N, ...] per field
     mirrored: dict  # mirror slot -> region id it holds
     n_slots: int
+    # region id -> the version that first trained on it, for regions whose commit the learner
+    # has not seen yet (it trains on a region while the region is written)
+    unmarked: dict = dataclasses.field(default_factory=dict)
 
     def ring(self, n_collectors: int) -> buffer.Ring:
         # a collector's next region (the same envs, continued) is n_collectors regions later
@@ -208,6 +222,15 @@ class EvaluatorState:
 
 _STATES: dict = {}  # (role, abs run dir, *id) -> one of the states above
 _LOCK = threading.Lock()
+
+
+def _writer(config: RunConfig, collector: int) -> WriterState:
+    key = ("write", os.path.abspath(config.run_dir), collector)
+    with _LOCK:
+        state = _STATES.get(key)
+        if state is None or state.config != config:  # as _state: a new config, a new store handle
+            state = _STATES[key] = WriterState(config, ReplayStore.open(config.store_path, mode="r+"))
+        return state
 
 
 def _state(role: str, config: RunConfig, build, *ident):
@@ -258,7 +281,7 @@ def _scalars(tree) -> dict:
 
 def _new_collector(config: RunConfig, parts: RunParts) -> CollectorState:
     env, learner = parts.env, parts.learner
-    make = rollout.make_collector if env.spec.backend == "jax" else rollout.make_numpy_collector
+    make = rollouts.make_collector if env.spec.backend == "jax" else rollouts.make_numpy_collector
     init, collect_fn = make(env, learner.act, learner.init_carry, config.envs_per_region,
                             config.steps_per_region)
     return CollectorState(parts, open_store(config, env.spec), init, collect_fn)
@@ -268,77 +291,93 @@ _RUNNING: dict = {}  # abs run dir -> collect calls running in this worker (roll
 
 
 def collects_running(run_dir: str) -> int:
-    """How many collect calls of one run this worker is running, their writes included (a
-    Dask task that has seceded to write still writes after its future is dropped)."""
+    """How many rollout and write calls of one run this worker is running (a Dask task that
+    has seceded to write still writes after its future is dropped)."""
     with _LOCK:
         return _RUNNING.get(os.path.abspath(run_dir), 0)
 
 
-def collect(config, collector: int, iteration: int, params, param_version: int,
-            env_steps: int) -> dict:
-    """Region `iteration * n_collectors + collector`: T steps of N envs acting with the
-    policy `params` (of learner version `param_version`), written to its ring slot and
-    committed; returns once it is committed.
-
-    Off the critical path: the envs move on as soon as the rollout is copied to the host,
-    and inside a Dask worker the task then leaves the worker's thread pool (`secede`) to
-    write, so the worker starts the next task (the next region's rollout) meanwhile; at most
-    PENDING_WRITES regions of a collector wait for the disk. A retried task rewrites exactly
-    its own region, with the same bytes (it rolls out again from `retry_from`).
-
-    Returns the region's episode stats and where the time went (rollout, host copy, waiting
-    for an earlier region's write, Zarr write and commit).
-    """
-    config = as_config(config)
+@contextlib.contextmanager
+def _running(config: RunConfig):
+    """Counts a rollout or write call of one run while it runs (collects_running)."""
     run = os.path.abspath(config.run_dir)
     with _LOCK:
         _RUNNING[run] = _RUNNING.get(run, 0) + 1
     try:
-        return _collect(config, collector, iteration, params, param_version, env_steps)
+        yield
     finally:
         with _LOCK:
             _RUNNING[run] -= 1
 
 
-def _collect(config: RunConfig, collector: int, iteration: int, params, param_version: int,
-             env_steps: int) -> dict:
-    state = _state("collect", config, lambda parts: _new_collector(config, parts), collector)
-    region_id = iteration * config.n_collectors + collector
-    started = time.perf_counter()
-    with state.rollout_lock:
-        retry = state.retry_from.get(iteration)
-        if retry is not None:
-            before = retry
-        elif state.next_iteration == iteration:
-            before = state.rollout_state
-        else:
-            # a fresh worker or a resumed run: start new episodes (the store marks them `first`) from a key of this iteration
-            key = jax.random.fold_in(jax.random.fold_in(jax.random.PRNGKey(config.seed), collector), iteration)
-            before = state.init(key)
-        explore = state.parts.learner.exploration(jnp.float32(env_steps))
-        rstate, data, stats = state.collect(params, before, explore)
-        jax.block_until_ready(data)
-        rolled = time.perf_counter()
-        data, stats = _to_numpy(data), _scalars(stats)
-        copied = time.perf_counter()
-        if retry is None:
-            state.retry_from[iteration] = before
+def rollout(config, collector: int, iteration: int, params, param_version: int, env_steps: int) -> dict:
+    """Region `iteration * n_collectors + collector`: T steps of N envs acting with the
+    policy `params` (of learner version `param_version`), in host memory as the store will
+    hold it. The envs move on to the next region as soon as this one is copied to the host.
+
+    Returns {"data": the region's fields, "region", ..., the region's episode stats, and
+    where the time went (rollout, host copy)}. `write` then stores it, while the learner
+    (`train`) already trains on the very same arrays: the disk is off the learner's path.
+    """
+    config = as_config(config)
+    with _running(config):
+        state = _state("collect", config, lambda parts: _new_collector(config, parts), collector)
+        region_id = iteration * config.n_collectors + collector
+        started = time.perf_counter()
+        with state.rollout_lock:
+            if state.next_iteration == iteration:
+                before = state.rollout_state
+            else:
+                # a fresh worker or a resumed run: start new episodes (the store marks them `first`) from a key of this iteration
+                key = jax.random.fold_in(jax.random.fold_in(jax.random.PRNGKey(config.seed), collector), iteration)
+                before = state.init(key)
+            explore = state.parts.learner.exploration(jnp.float32(env_steps))
+            rstate, data, stats = state.collect(params, before, explore)
+            jax.block_until_ready(data)
+            rolled = time.perf_counter()
+            data, stats = state.store.conform(region_id, _to_numpy(data)), _scalars(stats)
+            copied = time.perf_counter()
+            # only now: a rollout that raised is retried from the same envs, the same bytes
             state.rollout_state, state.next_iteration = rstate, iteration + 1
-    with state.writes:
-        waited = time.perf_counter()
-        _leave_worker_thread_pool()
-        state.store.write_region(region_id, data, iteration=iteration, collector=collector,
-                                 param_version=param_version)
-    written = time.perf_counter()
-    _maybe_fail(config, region_id)
-    with state.rollout_lock:
-        state.retry_from.pop(iteration, None)
-    return {**stats, "region": region_id, "collector": collector, "iteration": iteration,
-            "param_version": param_version,
-            "steps": config.envs_per_collector * config.steps_per_region,
-            "rollout_s": rolled - started, "host_copy_s": copied - rolled,
-            "write_wait_s": waited - copied, "write_s": written - waited,
-            "collect_s": written - started}
+    return {"data": data, **stats, "region": region_id, "collector": collector, "iteration": iteration,
+            "param_version": param_version, "steps": config.envs_per_collector * config.steps_per_region,
+            "rollout_s": rolled - started, "host_copy_s": copied - rolled}
+
+
+def write(config, rolled: dict) -> dict:
+    """Writes a region that `rollout` made to its ring slot and commits it; returns once it
+    is committed: {"region", "committed": True, "write_wait_s", "write_s"}.
+
+    Inside a Dask worker the task first leaves the worker's thread pool (`secede`), so the
+    worker rolls out its next region meanwhile; at most PENDING_WRITES regions of a collector
+    wait for the disk. A retry rewrites exactly its own region, with the same bytes. (A
+    collector's worker lost before its write committed: Dask makes the region again on
+    another worker, whose envs start new episodes, so the store keeps other steps than the
+    learner trained on for that one region; it is still stored exactly once.)
+    """
+    config = as_config(config)
+    region_id = rolled["region"]
+    with _running(config):
+        state = _writer(config, rolled["collector"])
+        started = time.perf_counter()
+        with state.writes:
+            waited = time.perf_counter()
+            _leave_worker_thread_pool()
+            state.store.write_region(region_id, rolled["data"], iteration=rolled["iteration"],
+                                     collector=rolled["collector"], param_version=rolled["param_version"])
+        written = time.perf_counter()
+        _maybe_fail(config, region_id)
+    return {"region": region_id, "committed": True, "write_wait_s": waited - started,
+            "write_s": written - waited}
+
+
+def collect(config, collector: int, iteration: int, params, param_version: int,
+            env_steps: int) -> dict:
+    """`rollout` then `write`, in this process: the region made, stored and committed (what
+    a test or a notebook calls; the dataflow submits the two apart). Returns the rollout's
+    dict with the write's beside it, which `train` takes as it is."""
+    rolled = rollout(config, collector, iteration, params, param_version, env_steps)
+    return {**rolled, **write(config, rolled)}
 
 
 def _leave_worker_thread_pool():
@@ -400,64 +439,75 @@ def _learner(config: RunConfig, iteration: int | None = None) -> LearnerState:
     return state
 
 
-def _mirror(state: LearnerState, config: RunConfig, iteration: int, region_ids: list[int]) -> int:
-    """Copies regions from the store into the device mirror; returns how many it copied.
+def _mirror(state: LearnerState, config: RunConfig, iteration: int, collected: list[dict]):
+    """Copies the iteration's regions (in memory, as their rollouts made them) into the device
+    mirror.
 
-    An empty mirror first takes every committed region up to this iteration's (a resumed
-    run keeps its replay; later regions belong to later train calls), then only the regions
-    the collect tasks of each iteration committed.
+    An empty off-policy mirror (a fresh or moved learner, a resumed run) first reads every
+    region committed before this iteration from the store, so the replay survives the learner.
     """
-    store, new = state.store, 0
-    if not state.mirrored and not state.parts.learner.on_policy:
-        limit = (iteration + 1) * config.n_collectors
-        candidates = [(r, s) for r, s in store.committed() if r < limit]
-    else:
-        candidates = [(r, store.slot_of(r)) for r in region_ids]
-    for region_id, store_slot in candidates:
-        slot = region_ids.index(region_id) if state.parts.learner.on_policy else store_slot
-        if state.mirrored.get(slot) == region_id:
-            continue
-        try:
-            region = store.read_region(region_id)
-        except ReplayDamaged:
-            raise  # never skipped: the run stops with its one line (marl replay verify)
-        except StoreError:
-            if region_id in region_ids:
-                raise  # a region this call must train on is gone: the ring is too small
-            continue  # an old region overwritten by the ring between listing and reading
-        state.arrays = buffer.insert(state.arrays, slot, region, n_seeds=config.n_seeds)
-        state.mirrored[slot] = region_id
-        new += 1
-    return new
+    learner, store = state.parts.learner, state.store
+    if not state.mirrored and not learner.on_policy:
+        for region_id, slot in store.committed():
+            if region_id >= iteration * config.n_collectors:
+                continue  # a later iteration's, forgotten by prepare_run's rewind, or this one's
+            try:
+                region = store.read_region(region_id)
+            except ReplayDamaged:
+                raise  # never skipped: the run stops with its one line (marl replay verify)
+            except StoreError:
+                continue  # overwritten by the ring between listing and reading
+            _insert(state, config, slot, region_id, region)
+    for index, c in enumerate(collected):
+        # an on-policy mirror holds just this iteration's regions, in collector order
+        slot = index if learner.on_policy else store.slot_of(c["region"])
+        _insert(state, config, slot, c["region"], c["data"])
+
+
+def _insert(state: LearnerState, config: RunConfig, slot: int, region_id: int, region: dict):
+    state.arrays = buffer.insert(state.arrays, slot, region, n_seeds=config.n_seeds)
+    state.mirrored[slot] = region_id
+
+
+def _mark_trained(state: LearnerState, committed: list[dict]):
+    """Records in the store the version that first trained on each region of `committed`
+    (write results: those regions are committed now)."""
+    for c in committed:
+        version = state.unmarked.pop(c["region"], None)
+        if version is not None:
+            state.store.mark_trained(c["region"], version)
 
 
 def train(config, iteration: int, env_steps: int, checkpoint: bool, collected: list[dict],
-          previous: dict | None = None) -> dict:
-    """The learner's step of the dataflow: picks up the regions that `collected` (the
-    iteration's collect results) name, updates, and returns the next policy params.
+          committed: list[dict] = (), previous: dict | None = None) -> dict:
+    """The learner's step of the dataflow: trains on the regions `collected` (the
+    iteration's rollouts, their arrays in memory) and returns the next policy params.
+
+    `committed` are write results (`write`), regions now in the store: the learner records
+    the version that first trained on each, and a checkpoint needs every region it covers
+    among them (a resumed run finds them in the store). `collect`'s results carry their own.
     `previous` (the last train call's metrics) is unused here: passing it makes Dask run the
     calls of one learner in order.
 
     Off-policy learners add the regions to their ring mirror and run `updates_per_region`
     updates per region (once `learning_starts` env steps are stored), sampling windows from
     the whole ring; on-policy learners train once on exactly these regions. Each region's
-    policy lag (the learner's version now minus the version that collected it) is returned
-    and recorded in the store. Checkpoints when asked.
+    policy lag (the learner's version now minus the version that collected it) is returned.
+    Checkpoints when asked.
     """
     config = as_config(config)
     state = _learner(config, iteration)
     learner = state.parts.learner
     started = time.perf_counter()
     version = state.meta["param_version"]
-    region_ids = [int(c["region"]) for c in collected]
-    _mirror(state, config, iteration, region_ids)
+    _mirror(state, config, iteration, collected)
     read = time.perf_counter()
     metrics = {}
     if learner.on_policy:
-        n_updates = len(region_ids)
+        n_updates = len(collected)
     else:
         stored_env_steps = len(state.mirrored) * config.steps_per_region * config.envs_per_collector
-        n_updates = len(region_ids) * learner.config.updates_per_region
+        n_updates = len(collected) * learner.config.updates_per_region
         if stored_env_steps < learner.config.learning_starts:
             n_updates = 0
     if n_updates:
@@ -467,17 +517,21 @@ def train(config, iteration: int, env_steps: int, checkpoint: bool, collected: l
     jax.block_until_ready(state.train_state)
     updated = time.perf_counter()
     lags = [version - int(c["param_version"]) for c in collected]
-    for region_id in region_ids:
-        state.store.mark_trained(region_id, version)
+    state.unmarked.update({c["region"]: version for c in collected})
+    _mark_trained(state, [*committed, *(c for c in collected if c.get("committed"))])
     state.meta = {"iteration": iteration + 1, "env_steps": int(env_steps), "param_version": version + 1,
                   "updates": int(np.max(state.train_state["updates"]))}  # per seed
     params = _to_numpy(learner.policy_params(state.train_state))
     published = time.perf_counter()
     if checkpoint:
+        if state.unmarked:  # the dataflow makes a checkpointing train call wait for its writes
+            raise RuntimeError(f"checkpoint of iteration {iteration + 1} before regions "
+                               f"{sorted(state.unmarked)} were committed; pass their write results")
         state.checkpoints.save(iteration + 1, _to_numpy(state.train_state), state.meta)
+    stats = [{k: v for k, v in c.items() if k != "data"} for c in collected]
     return {"params": params, "param_version": version + 1,
             "metrics": {**metrics, "updates": n_updates, "total_updates": state.meta["updates"],
-                        "collected": collected, "lags": lags, "read_s": read - started, "update_s": updated - read,
+                        "collected": stats, "lags": lags, "read_s": read - started, "update_s": updated - read,
                         "publish_s": published - updated, "checkpoint_s": time.perf_counter() - published,
                         "train_s": time.perf_counter() - started}}
 
@@ -490,11 +544,13 @@ def policy_params(config) -> dict:
     return _to_numpy(state.parts.learner.policy_params(state.train_state))
 
 
-def save_checkpoint(config) -> int:
-    """Checkpoints the learner as it stands (a run stopped by its wall-time limit); returns
-    the iteration saved."""
+def save_checkpoint(config, committed: list[dict] = ()) -> int:
+    """Checkpoints the learner as it stands (a run stopped by its wall-time limit), once the
+    regions it trained on are committed (`committed`: their write results); returns the
+    iteration saved."""
     config = as_config(config)
     state = _learner(config)
+    _mark_trained(state, committed)
     step = state.meta["iteration"]
     if step and state.checkpoints.latest_step() != step:
         state.checkpoints.save(step, _to_numpy(state.train_state), state.meta)
@@ -508,7 +564,7 @@ def _new_evaluator(config: RunConfig, parts: RunParts) -> EvaluatorState:
     learner = parts.single_seed
     # a team run scores each team on its own reward and win (marl.teams), not the mean of all
     env, names, score = teams.scoring(parts.env)
-    make = rollout.make_evaluator if env.spec.backend == "jax" else rollout.make_numpy_evaluator
+    make = rollouts.make_evaluator if env.spec.backend == "jax" else rollouts.make_numpy_evaluator
     trained = config.env_kwargs.get("train_team")
     return EvaluatorState(parts, make(env, learner.act, learner.init_carry, config.eval_episodes,
                                       learner.greedy, score),

@@ -616,7 +616,10 @@ class ReplayStore:
         )
 
     # ------------------------------------------------------------------ writing
-    def _validate(self, region_id: int, data: Mapping) -> dict[str, np.ndarray]:
+    def conform(self, region_id: int, data: Mapping) -> dict[str, np.ndarray]:
+        """`data` as this store holds region `region_id`: exactly its fields, each a C-contiguous
+        array of the field's dtype and [steps_per_region, n_envs, *shape] (what read_region
+        returns); a one-line StoreError naming the field and the fix otherwise."""
         if not isinstance(data, Mapping):
             raise StoreError(f"region {region_id}: data must be a dict of field name -> array")
         missing = [n for n in self.fields if n not in data]
@@ -706,7 +709,7 @@ class ReplayStore:
             "collector": _index(collector, "collector"),
             "param_version": _index(param_version, "param_version"),
         }
-        arrays = self._validate(region_id, data)
+        arrays = self.conform(region_id, data)
         slot = self.slot_of(region_id)
         try:
             held = max(int(v) for v in sync(_gather([self._arrays[COMMIT].async_array.getitem(slot),

@@ -147,7 +147,7 @@ def test_deployment_run_completes_on_the_stack_scheduler(stack, tmp_path):
     # INFO log line with the dashboard is not always shipped to the API before the run ends)
     with Client(urls["dask_scheduler"], timeout=30) as dask_client:
         prefixes = dask_client.run_on_scheduler(lambda dask_scheduler: sorted(dask_scheduler.task_prefixes))
-    assert {"collect", "train", "evaluate"} <= set(prefixes), prefixes
+    assert {"rollout", "write", "train", "evaluate"} <= set(prefixes), prefixes
     assert os.path.isdir(os.path.join(run_dir, "replay"))
 
 
@@ -203,13 +203,13 @@ def test_up_with_tls_serves_tls_only_and_marl_train_connects_with_the_certificat
         worker_env = psutil.Process(state["components"]["prefect-worker"]["pid"]).environ()
         assert worker_env[SCHEDULER_ENV] == address and worker_env[TLS_ENV] == tls
 
-        # refused: plain tcp://, tls:// without certificates (each in a process of its own: a
-        # Client whose connect failed can deadlock in __del__ when collected later)
+        # refused: plain tcp://, tls:// without certificates (each in a process of its own,
+        # left by os._exit: a Client whose connect failed can deadlock in its clean-up)
         for plain_address in (address.replace("tls://", "tcp://"), address):
             refused = subprocess.run(
-                [sys.executable, "-c", "import sys\nfrom distributed import Client\n"
+                [sys.executable, "-c", "import os, sys\nfrom distributed import Client\n"
                  "try:\n    Client(sys.argv[1], timeout='5s')\nexcept Exception as e:\n"
-                 "    print(type(e).__name__); sys.exit(3)", plain_address],
+                 "    print(type(e).__name__, flush=True); os._exit(3)\nos._exit(0)", plain_address],
                 cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
             assert refused.returncode == 3, (plain_address, refused.stdout, refused.stderr)
         with Client(address, security=tls_security(tls), timeout=30) as client:
@@ -235,7 +235,7 @@ def test_up_with_tls_serves_tls_only_and_marl_train_connects_with_the_certificat
         assert train.returncode == 0, train.stdout + train.stderr
         with Client(address, security=tls_security(tls), timeout=30) as client:
             prefixes = client.run_on_scheduler(lambda dask_scheduler: sorted(dask_scheduler.task_prefixes))
-        assert {"collect", "train"} <= set(prefixes), prefixes  # on the stack's workers
+        assert {"rollout", "write", "train"} <= set(prefixes), prefixes  # on the stack's workers
         assert os.path.isdir(os.path.join(run, "checkpoints"))
 
         # plain `up` on the running TLS stack: one line, nothing restarted

@@ -99,7 +99,7 @@ def test_regions_written_while_the_next_rollout_runs_match_a_synchronous_write(t
     assert chunk_files(a.path, names) == chunk_files(s.path, names)  # byte for byte
 
 
-def test_a_retried_collect_rewrites_the_same_bytes_after_the_envs_moved_on(tmp_path):
+def test_a_retried_write_rewrites_the_same_bytes_after_the_envs_moved_on(tmp_path):
     faulty, clean = tiny_config(tmp_path / "faulty", fail_regions_once="1"), tiny_config(tmp_path / "clean")
     for cfg in (faulty, clean):
         stages.prepare_run(cfg)
@@ -107,13 +107,14 @@ def test_a_retried_collect_rewrites_the_same_bytes_after_the_envs_moved_on(tmp_p
     for i in range(3):
         stages.collect(clean, 0, i, params, 0, i * 256)
     stages.collect(faulty, 0, 0, params, 0, 0)
+    rolled = stages.rollout(faulty, 0, 1, params, 0, 256)
     with pytest.raises(RuntimeError, match="injected fault after committing region 1"):
-        stages.collect(faulty, 0, 1, params, 0, 256)
+        stages.write(faulty, rolled)
     path = os.path.join(faulty["run_dir"], "replay")
     first_attempt = chunk_files(path, FIELD_NAMES)
-    # the next iteration runs before the retry (as a K >= 1 dataflow may schedule it)
+    # the next region rolls out and is stored before the retry (as a K >= 1 dataflow may schedule it)
     stages.collect(faulty, 0, 2, params, 0, 512)
-    stages.collect(faulty, 0, 1, params, 0, 256)  # the retry
+    stages.write(faulty, rolled)  # the retry (Dask's: the same task, the same rollout's arrays)
     after_retry = chunk_files(path, FIELD_NAMES)
     assert {k: v for k, v in after_retry.items() if k in first_attempt} == first_attempt
     want = chunk_files(os.path.join(clean["run_dir"], "replay"), FIELD_NAMES)
