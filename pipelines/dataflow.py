@@ -248,11 +248,12 @@ class Dataflow:
         env_steps = i * config.steps_per_iteration
         rolled = [self.client.submit(stages.rollout, cfg, c, i, self.params[version], version, env_steps,
                                      workers=[self.where.collectors[c]], allow_other_workers=True,
-                                     pure=False, retries=2)
+                                     pure=False, retries=2, priority=_collect_priority(i))
                   for c in range(config.n_collectors)]
         # each region is written where it was made (no copy), beside the collector's rollouts
         writes = [self.client.submit(stages.write, cfg, r, workers=[self.where.collectors[c]],
-                                     allow_other_workers=True, pure=False, retries=2)
+                                     allow_other_workers=True, pure=False, retries=2,
+                                     priority=_collect_priority(i))
                   for c, r in enumerate(rolled)]
         last = i == config.n_iterations - 1
         checkpoint = last or (i + 1) % config.checkpoint_every == 0
@@ -269,8 +270,10 @@ class Dataflow:
         for future in writes:
             self._wait(it, "written", future)
         if last or (i + 1) % config.eval_every == 0:
-            # below the collect and train tasks in priority: it fills idle time
-            it.evaluation = self._evaluate(self.params[i + 1], i, priority=-1)
+            # on a collector's worker, after the next iteration's rollout and before the one
+            # after: it fills the collector's idle time (at K = 0, while the learner trains),
+            # and a collector that is never idle (K >= 1, slow envs) still lets it in
+            it.evaluation = self._evaluate(self.params[i + 1], i, priority=_collect_priority(i + 1) - 1)
             self._wait(it, "evaluated", it.evaluation)
         self.pending.append(it)
         # versions no later iteration acts with
@@ -467,6 +470,13 @@ def _drain(client: Client, run_dir: str):
             raise RunStopped(f"region writes of {run_dir} still running after {DRAIN_S:.0f} s on "
                              f"{', '.join(w for w, n in running.items() if n)}; {_resume(run_dir)}")
         time.sleep(0.2)
+
+
+def _collect_priority(i: int) -> int:
+    """Dask priority of iteration i's rollouts and writes: earlier iterations first, with
+    room between two iterations for an evaluation (higher runs first; the learner's tasks
+    keep Dask's default 0, above every iteration's)."""
+    return -2 * i
 
 
 def _mean(values) -> float:
