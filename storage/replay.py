@@ -8,7 +8,10 @@ Layout of one store (a Zarr v3 group at ``path``)::
                               chunks (t, n_envs, *field.shape) with t the largest divisor of
                               T whose chunk holds at most CHUNK_BYTES: a region is T/t whole
                               chunks (one chunk for a CPU run's small regions), encoded and
-                              written in parallel; dimension_names ("step", "env", *field.dims);
+                              written in parallel; where one step of all envs is bigger
+                              (images of many envs), one step cut along the env axis (then
+                              the field's own axes) to fit (chunk_shape); dimension_names
+                              ("step", "env", *field.dims);
                               codecs zstd level 0 (chosen by bench/write_throughput.py) then
                               crc32c (every array), every chunk written (also one equal to the
                               fill value)
@@ -292,16 +295,34 @@ async def _gather(awaitables):
     return results
 
 
+def chunk_shape(steps_per_region: int, n_envs: int, field: "Field",
+                chunk_bytes: int = CHUNK_BYTES) -> tuple[int, ...]:
+    """The chunk shape of `field`'s array, (steps, envs, *field.shape) cut to hold at most
+    `chunk_bytes`: the largest divisor of steps_per_region whose chunk fits, so a region is
+    whole chunks along the step axis. Where one step of all envs is still too big (an image
+    field of many envs), a chunk is one step cut into equal parts along the env axis, and
+    where one env's step is too big, along the field's own axes in turn."""
+    sizes = (steps_per_region, n_envs, *field.shape)
+    chunks = list(sizes)
+    for axis, size in enumerate(sizes):
+        # bytes of one index of this axis, the axes after it whole
+        inner = np.dtype(field.dtype).itemsize * int(np.prod(sizes[axis + 1:], dtype=np.int64))
+        if inner > chunk_bytes and axis < len(sizes) - 1:
+            chunks[axis] = 1  # even one index is too big: cut the next axis too
+            continue
+        fits = max(1, chunk_bytes // max(inner, 1))
+        if axis == 0:  # a region's steps are whole chunks, its own and no other region's
+            chunks[0] = max(t for t in range(1, size + 1) if size % t == 0 and t <= fits)
+        elif size:  # as few parts as fit, each as small as that many allow
+            chunks[axis] = -(-size // -(-size // fits))
+        break
+    return tuple(chunks)
+
+
 def steps_per_chunk(steps_per_region: int, n_envs: int, field: "Field",
                     chunk_bytes: int = CHUNK_BYTES) -> int:
-    """The largest divisor of steps_per_region whose chunk of `field` holds at most
-    `chunk_bytes` (at least 1 step), so a region is whole chunks along the step axis."""
-    step_bytes = n_envs * field.nbytes
-    best = 1
-    for t in range(1, steps_per_region + 1):
-        if steps_per_region % t == 0 and t * step_bytes <= chunk_bytes:
-            best = t
-    return best
+    """The steps of one chunk of `field` (see chunk_shape)."""
+    return chunk_shape(steps_per_region, n_envs, field, chunk_bytes)[0]
 
 
 @dataclass(frozen=True)
@@ -325,7 +346,7 @@ def _array_specs(fields: dict[str, "Field"], n_envs: int, T: int, n_slots: int,
     for name, f in fields.items():
         specs[name] = dict(
             shape=(n_slots * T, n_envs, *f.shape),
-            chunks=(steps_per_chunk(T, n_envs, f, chunk_bytes), n_envs, *f.shape),
+            chunks=chunk_shape(T, n_envs, f, chunk_bytes),
             dtype=f.dtype,
             compressors=compressors,
             fill_value=False if f.dtype == "bool" else 0,

@@ -598,3 +598,67 @@ def test_storage_imports_stay_light():
         "assert not bad, bad"
     )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=os.path.dirname(os.path.dirname(__file__)))
+
+
+def test_image_fields_bigger_than_a_chunk_split_along_envs_and_keep_regions_apart(tmp_path):
+    """One step of all envs of an image field over chunk_bytes: chunks are cut along the env
+    axis (then the agents) to fit; regions still round-trip bit-exactly, a write touches only
+    its own slot's chunks, and verify() finds a deleted chunk."""
+    from storage.replay import chunk_shape
+
+    n_envs, image = 5, (2, 6, 5, 3)  # 5 envs (no even split), 2 agents' 6x5 RGB crops
+    fields = {"obs": Field(image, "uint8", ("agent", "obs_height", "obs_width", "obs_channel")),
+              "state": Field((6, 5, 6), "uint8", ("state_height", "state_width", "state_channel")),
+              "reward": Field((2,), "float32", ("agent",)), "first": Field((), "bool", ())}
+    budget = 2 * 180  # two envs' images of one step: all 5 envs' (900 bytes) do not fit
+    assert chunk_shape(T, n_envs, fields["obs"], budget) == (1, 2, *image)
+    assert chunk_shape(T, n_envs, fields["obs"], 100) == (1, 1, 1, 6, 5, 3)  # one env's too big: agents
+    assert chunk_shape(T, n_envs, fields["reward"], budget) == (T, n_envs, 2)  # small fields as before
+    path = tmp_path / "images"
+    store = ReplayStore.create(path, fields=fields, n_envs=n_envs, steps_per_region=T, n_slots=2,
+                               attrs=attrs("pz:pettingzoo.butterfly.pistonball_v6"), chunk_bytes=budget)
+    group = zarr.open_group(str(path), mode="r")
+    for name in fields:
+        chunk = group[name].chunks
+        assert np.prod(chunk) * group[name].dtype.itemsize <= budget, (name, chunk)
+        assert T % chunk[0] == 0  # a region is whole chunks along the step axis
+    rng = np.random.default_rng(0)
+
+    def data(r):
+        return {"obs": rng.integers(0, 256, (T, n_envs, *image), dtype=np.uint8),
+                "state": rng.integers(0, 256, (T, n_envs, 6, 5, 6), dtype=np.uint8),
+                "reward": rng.standard_normal((T, n_envs, 2)).astype(np.float32),
+                "first": rng.random((T, n_envs)) < 0.3}
+
+    def files():
+        return {p.relative_to(path).as_posix(): p.read_bytes() for p in path.rglob("*") if p.is_file()}
+
+    written = {}
+    for r in range(3):  # region 2 overwrites region 0's slot
+        before = files()
+        written[r] = data(r)
+        store.write_region(r, written[r], iteration=r, collector=0, param_version=r)
+        changed = {k for k, v in files().items() if before.get(k) != v}
+        slot_chunks = {k for name in [*fields, "region", "iteration", "collector", "param_version",
+                                      "commit", "trained_version"] for k in store._chunk_keys(name, r % 2)}
+        assert {k for k in changed if not k.startswith("commits/")} <= slot_chunks, sorted(changed - slot_chunks)
+    assert [r for r, _ in store.committed()] == [1, 2]
+    for r in (1, 2):
+        for name, arr in store.read_region(r).items():
+            assert arr.dtype == written[r][name].dtype
+            np.testing.assert_array_equal(arr, written[r][name])
+    ds = open_replay(path)  # ordered by region id
+    for name in fields:
+        np.testing.assert_array_equal(ds[name].values, np.concatenate([written[1][name], written[2][name]]))
+    batch = store.sample_sequences(rng, batch=3, length=2)
+    assert batch["obs"].shape == (3, 2, *image) and batch["obs"].dtype == np.uint8
+    assert store.verify()[0] == []
+
+    lost = store._chunk_keys("obs", store.slot_of(1))[3]  # one env part of one step of region 1
+    os.remove(path / lost)
+    damage, _ = store.verify()
+    assert [(d.array, d.key, d.problem, d.region) for d in damage] == [("obs", lost, "is missing", 1)]
+    with pytest.raises(StoreError, match="is damaged"):
+        store.read_region(1)
+    assert store.drop_damaged(damage) == [1]
+    assert [r for r, _ in store.committed()] == [2] and store.verify()[0] == []
