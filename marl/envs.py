@@ -5,7 +5,9 @@
     jaxmarl:<name>          any env jaxmarl registers (e.g. jaxmarl:hanabi, jaxmarl:overcooked,
                             jaxmarl:MPE_simple_speaker_listener_v4), env kwargs as jaxmarl
                             takes them (a SMAX scenario or Overcooked layout by name)
-    pz:<module>.<env>       any PettingZoo ParallelEnv (e.g. pz:mpe2.simple_spread_v3)
+    pz:<module>.<env>       any PettingZoo ParallelEnv (e.g. pz:mpe2.simple_spread_v3); `marl envs`
+                            lists mpe2's and butterfly's (pz:pettingzoo.butterfly.pistonball_v6,
+                            ...; the butterfly extra)
 
 `marl envs` lists every id. Each spec is derived from the env's own spaces: discrete,
 multi-discrete (one index over the product) or continuous actions; observations of any
@@ -29,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import importlib.util
 import inspect
 import os
 import re
@@ -664,6 +667,17 @@ def _install_hint(module_name: str, missing: str) -> str:
     return f"install it (pip install {missing})"
 
 
+def _max_cycles(env) -> int:
+    """The env's max_cycles, wherever its wrappers keep it (cooperative pong: on the game
+    object that its raw env wraps); 0 if none says."""
+    for _ in range(8):
+        limit = getattr(env, "max_cycles", 0) or getattr(getattr(env, "unwrapped", None), "max_cycles", 0)
+        if limit or env is None:
+            return int(limit or 0)
+        env = getattr(env, "aec_env", None) or getattr(env, "env", None)
+    return 0
+
+
 def pettingzoo_env(env_id: str, factory) -> PettingZooEnv:
     """The PettingZooEnv of the ParallelEnvs that `factory()` makes, its spec read off one."""
     probe = factory()
@@ -677,7 +691,7 @@ def pettingzoo_env(env_id: str, factory) -> PettingZooEnv:
         state_dim = int(np.prod(probe.state().shape))
     except (AttributeError, NotImplementedError):
         state_dim = int(np.prod(state_shape)) if state_shape else obs_dim * len(agents)
-    limit = int(getattr(probe, "max_cycles", 0) or getattr(getattr(probe, "unwrapped", probe), "max_cycles", 0) or 0)
+    limit = _max_cycles(probe)
     spec = EnvSpec(
         env_id=env_id, agents=agents, obs_dim=obs_dim, state_dim=state_dim, discrete=layout["discrete"],
         n_actions=layout["n_actions"], action_dim=layout["action_dim"], action_low=layout["action_low"],
@@ -700,13 +714,36 @@ def _check_kwargs(env_id: str, fn, kwargs: dict, reserved: frozenset | set = fro
         raise EnvError(f"{env_id}: unknown env kwarg(s) {', '.join(bad)}; valid: {', '.join(valid)}")
 
 
+# PettingZoo families beyond mpe2 whose every env `marl envs` lists: butterfly's pistonball
+# (images), cooperative pong (images) and knights-archers-zombies (vectors, agents that die)
+# each collect into a store and train (tests/test_env_registry.py, tests/test_image_obs.py)
+PETTINGZOO_LISTED = ("pettingzoo.butterfly",)
+
+
 def pz_ids() -> list[str]:
-    """The PettingZoo envs the project installs (mpe2's); pz: takes any other importable one."""
+    """The PettingZoo envs the project installs (mpe2's) or lists with their extra
+    (PETTINGZOO_LISTED); pz: takes any other importable one."""
     import pkgutil
 
     import mpe2
 
-    return [f"pz:mpe2.{m.name}" for m in pkgutil.iter_modules(mpe2.__path__) if re.search(r"_v\d+$", m.name)]
+    packages = [("mpe2", mpe2.__path__)]
+    for name in PETTINGZOO_LISTED:
+        found = importlib.util.find_spec(name)
+        if found is not None:  # pettingzoo ships every family; their own packages are extras
+            packages.append((name, found.submodule_search_locations))
+    return [f"pz:{package}.{m.name}" for package, path in packages
+            for m in sorted(pkgutil.iter_modules(path), key=lambda m: m.name) if re.search(r"_v\d+$", m.name)]
+
+
+def _pz_missing(target: str) -> str | None:
+    """Why pz:<target> cannot be imported here (a package it needs is missing), else None."""
+    try:
+        importlib.import_module(target)
+    except ModuleNotFoundError as e:
+        if e.name and not f"{target}.".startswith(f"{e.name}."):
+            return f"needs {e.name}, which is not installed; {_install_hint(target, e.name)}"
+    return None
 
 
 def env_ids() -> list[str]:
@@ -719,6 +756,8 @@ def env_ids() -> list[str]:
 def why_not(env_id: str) -> str | None:
     """Why a listed id cannot be made here (with what would work), None where it can."""
     kind, _, name = str(env_id).partition(":")
+    if kind == "pz" and name.startswith(PETTINGZOO_LISTED):
+        return _pz_missing(name)
     return unavailable(name) if kind == "jaxmarl" else None
 
 

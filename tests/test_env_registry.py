@@ -38,7 +38,8 @@ pytestmark = pytest.mark.filterwarnings("ignore")  # jaxmarl's deprecation and d
 def _check_timestep(ts, spec: envs.EnvSpec, batch: tuple = ()):
     """A Timestep (arrays or ShapeDtypeStructs) has the spec's shapes and dtypes."""
     a = spec.n_agents
-    want = {"obs": ((a, spec.obs_dim), jnp.float32), "state": ((spec.state_dim,), jnp.float32),
+    (obs_shape, obs_dtype), (state_shape, state_dtype) = spec.agent_obs, spec.global_state  # images: uint8
+    want = {"obs": ((a, *obs_shape), obs_dtype), "state": (state_shape, state_dtype),
             "avail_actions": ((a, spec.mask_width), jnp.bool_), "reward": ((a,), jnp.float32),
             "first": ((), jnp.bool_), "terminated": ((), jnp.bool_), "truncated": ((), jnp.bool_),
             "won": ((), jnp.bool_)}
@@ -137,6 +138,7 @@ COLLECTS = [
     ("jaxmarl:coin_game", {"num_inner_steps": 2, "num_outer_steps": 2}, "qmix-smac-tiny", "vdn"),
     ("jaxmarl:switch_riddle", {}, "qmix-smac-tiny", "iql"),  # multi-discrete obs, ends by "tell"
     ("pz:mpe2.simple_speaker_listener_v4", {}, "mappo-mpe-tiny", "mappo"),  # the same padding on CPU
+    ("pz:pettingzoo.butterfly.knights_archers_zombies_v11", {"max_cycles": 5}, "mappo-mpe-tiny", "mappo"),  # agents die
 ]
 # 15-35 s each on 2 cores (a slow step or MADDPG's learner to compile): MARL_ALL_ENVS=1
 SLOW_COLLECTS = [
@@ -147,6 +149,7 @@ SLOW_COLLECTS = [
     ("jaxmarl:overcooked_v2", {"max_steps": 5}, "mappo-mpe-tiny", "mappo"),
     ("jaxmarl:MPE_simple_tag_v3", {"max_steps": 5}, "maddpg-mpe-tiny", "maddpg"),
     ("jaxmarl:MPE_simple_facmac_3a_v1", {}, "mappo-mpe-tiny", "mappo"),
+    ("pz:pettingzoo.butterfly.cooperative_pong_v6", {"max_cycles": 5}, "qmix-smac-tiny", "qmix"),  # images
 ]
 TIME_LIMIT_ONLY = ("overcooked", "coin_game", "MPE_", "pz:mpe2")
 
@@ -170,8 +173,9 @@ def _collect_into_a_store(tmp_path, env_id, env_kwargs, preset, algo):
     assert envs.EnvSpec.from_dict(store.attrs["env_spec"]) == spec
     data = store.read_region(0)
     T, N, A = config.steps_per_region, config.envs_per_region, spec.n_agents
-    assert data["obs"].shape == (T, N, A, spec.obs_dim) and data["obs"].dtype == np.float32
-    assert data["state"].shape == (T, N, spec.state_dim)
+    (obs_shape, obs_dtype), (state_shape, state_dtype) = spec.agent_obs, spec.global_state  # images: uint8
+    assert data["obs"].shape == (T, N, A, *obs_shape) and data["obs"].dtype == obs_dtype
+    assert data["state"].shape == (T, N, *state_shape) and data["state"].dtype == state_dtype
     assert data["avail_actions"].shape == (T, N, A, spec.mask_width) and data["avail_actions"].dtype == bool
     assert data["avail_actions"].any(axis=-1).all()
     assert np.isfinite(data["obs"]).all() and np.isfinite(data["reward"]).all()
@@ -187,7 +191,7 @@ def _collect_into_a_store(tmp_path, env_id, env_kwargs, preset, algo):
     ended = data["terminated"] | data["truncated"]
     if any(k in env_id for k in TIME_LIMIT_ONLY):
         assert not data["terminated"].any()  # their episodes end only at the time limit
-    if env_kwargs.get("max_steps", 99) < T or env_id.endswith("coin_game"):
+    if min(env_kwargs.get("max_steps", 99), env_kwargs.get("max_cycles", 99)) < T or env_id.endswith("coin_game"):
         assert ended.any()  # the short episodes ended inside the region
     return spec, data
 
@@ -276,3 +280,25 @@ def test_marl_envs_lists_ids_with_their_spaces(capsys):
     assert " JAX " in rows["mpe:simple_speaker_listener"] and " CPU " in rows["pz:mpe2.simple_speaker_listener_v4"]
     assert main(["envs", "no-such-env"]) == 2
     assert "no env id contains 'no-such-env'" in capsys.readouterr().err
+
+
+def test_marl_envs_lists_the_butterfly_envs_or_the_extra_they_need(capsys, monkeypatch):
+    from flows.cli import main
+
+    butterfly = [i for i in ALL_IDS if i.startswith("pz:pettingzoo.butterfly.")]
+    assert {"pz:pettingzoo.butterfly.pistonball_v6", "pz:pettingzoo.butterfly.cooperative_pong_v6",
+            "pz:pettingzoo.butterfly.knights_archers_zombies_v11"} <= set(butterfly)
+    assert main(["envs", "butterfly"]) == 0
+    rows = {line.split()[0]: line for line in capsys.readouterr().out.splitlines() if line.startswith("pz:")}
+    assert set(rows) == set(butterfly) and all(" CPU " in row for row in rows.values())
+    assert "continuous 1 in [-1, 1]" in rows["pz:pettingzoo.butterfly.pistonball_v6"]
+    assert "discrete 6" in rows["pz:pettingzoo.butterfly.knights_archers_zombies_v11"]
+    # without pygame (as without the butterfly extra): listed with the extra that installs it
+    monkeypatch.setitem(sys.modules, "pygame", None)
+    for name in [m for m in sys.modules if m.startswith("pettingzoo.butterfly.")]:
+        monkeypatch.delitem(sys.modules, name)
+    for env_id in butterfly:
+        assert envs.why_not(env_id) == ("needs pygame, which is not installed; install the butterfly extra "
+                                        "(pip install 'marl-dataflow[butterfly]')")
+    assert main(["envs", "pistonball"]) == 0
+    assert "not available here: needs pygame" in capsys.readouterr().out
