@@ -1,13 +1,15 @@
 """Export a replay store to a Minari dataset (the Farama offline-RL format).
 
 Minari datasets are single-agent and gymnasium-style, so the agents are flattened into
-the joint observation (Box of n_agents*obs_dim) and the joint action (MultiDiscrete of
+the joint observation (Box of n_agents*obs_dim; image observations keep their shape, a uint8
+Box of [n_agents, H, W, C], stored losslessly) and the joint action (MultiDiscrete of
 n_actions per agent, or Box of n_agents*action_dim), with the team reward (the agents'
 mean, as the collectors' episode stats count it). One Minari episode per complete stored
 episode (see storage.episodes); partial ones are left out. An episode's last step is a
 Minari termination or truncation as the store's `terminated` / `truncated` say. The store
 keeps no terminal observation (the envs auto-reset), so each episode's final observation
-repeats its last one. infos hold the global state and the joint action mask per step.
+repeats its last one. infos hold the global state (an image state as its uint8 image) and
+the joint action mask per step.
 
 Needs the optional extra: pip install "marl-dataflow[minari]".
 """
@@ -44,11 +46,14 @@ def _datasets_root(out_dir):
 
 
 def spaces(spec: dict):
-    """(observation space, action space) of the joint, flattened agents."""
+    """(observation space, action space) of the joint, flattened agents (images: stacked)."""
     from gymnasium import spaces as gs
 
     n = len(spec["agents"])
-    obs = gs.Box(-np.inf, np.inf, (n * spec["obs_dim"],), np.float32)
+    if spec.get("obs_shape"):
+        obs = gs.Box(0, 255, (n, *spec["obs_shape"]), np.uint8)
+    else:
+        obs = gs.Box(-np.inf, np.inf, (n * spec["obs_dim"],), np.float32)
     if spec["discrete"]:
         act = gs.MultiDiscrete(np.full(n, spec["n_actions"], dtype=np.int64))
     else:
@@ -61,7 +66,11 @@ def _episode_buffer(data: dict, spec: dict):
     from minari.data_collector import EpisodeBuffer
 
     length = len(data["reward"])
-    obs = data["obs"].reshape(length, -1).astype(np.float32)
+    if spec.get("obs_shape"):  # [step, agent, H, W, C] pixels as the env gave them
+        obs = np.asarray(data["obs"], np.uint8)
+    else:
+        obs = data["obs"].reshape(length, -1).astype(np.float32)
+    state = np.asarray(data["state"], np.uint8 if spec.get("state_shape") else np.float32)
     action = data["action"].reshape(length, -1)
     action = action.astype(np.int64) if spec["discrete"] else action.astype(np.float32)
     last = lambda x: np.concatenate([x, x[-1:]])  # the terminal obs is not stored
@@ -70,7 +79,7 @@ def _episode_buffer(data: dict, spec: dict):
         rewards=data["reward"].astype(np.float64).mean(axis=-1),
         terminations=np.asarray(data["terminated"], bool),
         truncations=np.asarray(data["truncated"], bool),
-        infos={"state": last(data["state"].astype(np.float32)),
+        infos={"state": last(state),
                "action_mask": last(data["avail_actions"].reshape(length, -1))})
 
 
@@ -135,7 +144,7 @@ def _write(dataset, dataset_id: str, batch: list, store: ReplayStore, spec: dict
                 algorithm_name=store.attrs.get("algorithm"), data_format="hdf5", jpeg_encoding=False,
                 description=(f"Exported from the marl-dataflow replay store {os.path.abspath(store.path)} "
                              f"(env {spec['env_id']}, {len(spec['agents'])} agents flattened into joint "
-                             f"obs/actions, team reward = mean over agents; the final observation "
+                             f"obs/actions (images stacked), team reward = mean over agents; the final observation "
                              f"repeats the last stored one)."))
     except ValueError as e:
         raise StoreError(f"Minari refused dataset {dataset_id!r}: {e}") from None

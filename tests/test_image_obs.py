@@ -105,6 +105,25 @@ def test_the_store_keeps_uint8_images_in_whole_image_chunks(mappo_run):
     np.testing.assert_array_equal(ds["obs"].isel(step=3, env=1, agent=2).values, data["obs"][3, 1, 2])
 
 
+def test_minari_export_keeps_the_images(mappo_run, tmp_path, monkeypatch):
+    minari = pytest.importorskip("minari")
+    from storage.minari_export import export_minari
+
+    config, _ = mappo_run
+    written = export_minari(config.store_path, "marl/pistonball-tiny-v0", out_dir=tmp_path)
+    monkeypatch.setenv("MINARI_DATASETS_PATH", str(tmp_path))
+    dataset = minari.load_dataset("marl/pistonball-tiny-v0")
+    assert dataset.total_episodes == written["episodes"] > 0
+    assert dataset.observation_space.shape == (A, *OBS) and dataset.observation_space.dtype == np.uint8
+    episode = dataset[0]
+    assert episode.observations.shape == (len(episode.rewards) + 1, A, *OBS)
+    assert episode.observations.dtype == np.uint8 and episode.infos["state"].dtype == np.uint8
+    data = ReplayStore.open(config.store_path).read_region(0)
+    steps = len(episode.rewards)  # episode 0: env 0's first, from the region's first step
+    np.testing.assert_array_equal(episode.observations[:steps], data["obs"][:steps, 0])
+    np.testing.assert_array_equal(episode.infos["state"][:steps], data["state"][:steps, 0])
+
+
 def test_mappo_updates_with_the_conv_encoder(mappo_run):
     _, result = mappo_run
     metrics = result["metrics"]
