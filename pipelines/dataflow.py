@@ -200,6 +200,10 @@ class _Iteration:
     index: int
     metrics: Future  # the train call's metrics (params stay on the learner's worker)
     writes: list[Future]  # its regions' write results
+    # the params its rollouts acted with, held until its row is out (trained, committed): a
+    # rollout lost with its worker before then is made again from them, never from a
+    # recomputed train call (which would rebuild the learner from its checkpoint)
+    acted_with: Future | None = None
     written: list[dict] = dataclasses.field(default_factory=list)
     evaluation: Future | None = None
     trained_at: float | None = None
@@ -265,7 +269,7 @@ class Dataflow:
         # the params stay on the learner's worker until a collector or evaluator needs them
         self.params[i + 1] = self._on_learner(operator.itemgetter("params"), trained, priority=1)
         metrics = self._on_learner(operator.itemgetter("metrics"), trained, priority=1)
-        it = _Iteration(i, metrics, writes)
+        it = _Iteration(i, metrics, writes, acted_with=self.params[version])
         self._wait(it, "trained", metrics)
         for future in writes:
             self._wait(it, "written", future)
@@ -324,6 +328,7 @@ class Dataflow:
             # assertion (a screenful of traceback) on cancelled tasks whose dependents no client holds
             self.pending.clear()
             self.params.clear()
+            self.waiting.clear()
             self.last_writes = []
             raise
         last = rows[-1]["iteration"] - 1 if rows else None
