@@ -200,10 +200,11 @@ class _Iteration:
     index: int
     metrics: Future  # the train call's metrics (params stay on the learner's worker)
     writes: list[Future]  # its regions' write results
-    # the params its rollouts acted with, held until its row is out (trained, committed): a
-    # rollout lost with its worker before then is made again from them, never from a
-    # recomputed train call (which would rebuild the learner from its checkpoint)
-    acted_with: Future | None = None
+    # params held until its row is out: those its rollouts acted with, those it made (its
+    # evaluation's), and the previous iteration's (whose writes the next train call takes).
+    # A rollout, write or evaluation lost with its worker is made again from them, never
+    # from a recomputed train call (which would rebuild the learner from its checkpoint)
+    held: list[Future] = dataclasses.field(default_factory=list)
     written: list[dict] = dataclasses.field(default_factory=list)
     evaluation: Future | None = None
     trained_at: float | None = None
@@ -227,6 +228,7 @@ class Dataflow:
         self.lag = int(config.max_policy_lag)
         self.params: dict[int, Future] = {self.first: self._on_learner(stages.policy_params, self.cfg)}
         self.last_writes: list[Future] = []  # the writes of the last iteration submitted
+        self.last_held: list[Future] = []  # and the params it acted with and made
         self.pending: collections.deque[_Iteration] = collections.deque()
         self.watch = Watch(client, placement.learner, config.run_dir)
         self.waiting: dict[Future, tuple[_Iteration, str]] = {}  # -> (iteration, kind)
@@ -269,7 +271,8 @@ class Dataflow:
         # the params stay on the learner's worker until a collector or evaluator needs them
         self.params[i + 1] = self._on_learner(operator.itemgetter("params"), trained, priority=1)
         metrics = self._on_learner(operator.itemgetter("metrics"), trained, priority=1)
-        it = _Iteration(i, metrics, writes, acted_with=self.params[version])
+        it = _Iteration(i, metrics, writes, held=[self.params[version], self.params[i + 1], *self.last_held])
+        self.last_held = it.held[:2]
         self._wait(it, "trained", metrics)
         for future in writes:
             self._wait(it, "written", future)
@@ -329,7 +332,7 @@ class Dataflow:
             self.pending.clear()
             self.params.clear()
             self.waiting.clear()
-            self.last_writes = []
+            self.last_writes, self.last_held = [], []
             raise
         last = rows[-1]["iteration"] - 1 if rows else None
         if last is not None and "test_win_rate" not in rows[-1]:
@@ -340,7 +343,7 @@ class Dataflow:
             self.watch.doing = "its final checkpoint"
             self.watch.result(self._on_learner(stages.save_checkpoint, self.cfg, self.last_writes))
         self.params.clear()
-        self.last_writes = []
+        self.last_writes, self.last_held = [], []
         return rows
 
     def _evaluate_now(self, i: int) -> dict:
