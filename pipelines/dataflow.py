@@ -247,20 +247,20 @@ class Dataflow:
     def _on_learner(self, fn, *args, **kwargs) -> Future:
         return self.client.submit(fn, *args, workers=[self.where.learner], pure=False, **kwargs)
 
+    def _on_collector(self, c: int, i: int, fn, *args) -> Future:
+        """Collector c's task of iteration i (it may move when that worker is gone)."""
+        return self.client.submit(fn, *args, workers=[self.where.collectors[c]], allow_other_workers=True,
+                                  pure=False, retries=2, priority=_collect_priority(i))
+
     def _submit(self, i: int):
         """Iteration i's collect tasks, its train task and (when due) its evaluation."""
         config, cfg = self.config, self.cfg
         version = max(self.first, i - self.lag)
         env_steps = i * config.steps_per_iteration
-        rolled = [self.client.submit(stages.rollout, cfg, c, i, self.params[version], version, env_steps,
-                                     workers=[self.where.collectors[c]], allow_other_workers=True,
-                                     pure=False, retries=2, priority=_collect_priority(i))
+        rolled = [self._on_collector(c, i, stages.rollout, cfg, c, i, self.params[version], version, env_steps)
                   for c in range(config.n_collectors)]
         # each region is written where it was made (no copy), beside the collector's rollouts
-        writes = [self.client.submit(stages.write, cfg, r, workers=[self.where.collectors[c]],
-                                     allow_other_workers=True, pure=False, retries=2,
-                                     priority=_collect_priority(i))
-                  for c, r in enumerate(rolled)]
+        writes = [self._on_collector(c, i, stages.write, cfg, r) for c, r in enumerate(rolled)]
         last = i == config.n_iterations - 1
         checkpoint = last or (i + 1) % config.checkpoint_every == 0
         committed = [*self.last_writes, *(writes if checkpoint else [])]
