@@ -427,15 +427,35 @@ def _new_learner(config: RunConfig, parts: RunParts) -> LearnerState:
                         arrays, {}, n_slots)
 
 
-def _learner(config: RunConfig, iteration: int | None = None) -> LearnerState:
-    """This worker's learner; rebuilt from the checkpoint when it is not at `iteration`
-    (a flow restarted on this cluster resumes from its checkpoint, not from whatever later
-    state this worker still holds)."""
+class LearnerOutOfStep(RuntimeError):
+    """A train call for an iteration the learner's state is not at."""
+
+
+def _learner(config: RunConfig, iteration: int | None = None, continuing: bool = False) -> LearnerState:
+    """This worker's learner, at `iteration` where one is given.
+
+    A dataflow's first train call (`continuing` False) rebuilds it from the checkpoint when
+    it is elsewhere: a flow restarted on this cluster resumes from its checkpoint, not from
+    whatever later state this worker still holds. A later call finds it where the previous
+    call left it, or raises: a train call run again (a lost result recomputed, a retry after
+    the state moved on) must not silently swap the learner for its checkpoint mid-run, which
+    drops every update since."""
     build = lambda parts: _new_learner(config, parts)
     state = _state("train", config, build)
-    if iteration is not None and state.meta["iteration"] != iteration:
-        _drop_state("train", config)
-        state = _state("train", config, build)
+    if iteration is None or state.meta["iteration"] == iteration:
+        return state
+    if continuing:
+        raise LearnerOutOfStep(
+            f"the learner is at iteration {state.meta['iteration']}, asked to train iteration "
+            f"{iteration} (a train call ran twice); run the same command again to resume "
+            f"{config.run_dir} from its last checkpoint")
+    _drop_state("train", config)
+    state = _state("train", config, build)
+    if state.meta["iteration"] != iteration:
+        raise LearnerOutOfStep(
+            f"the learner's checkpoint in {config.checkpoint_dir} is at iteration "
+            f"{state.meta['iteration']}, asked to train iteration {iteration}; "
+            f"run the same command again to resume from the checkpoint")
     return state
 
 
@@ -486,8 +506,8 @@ def train(config, iteration: int, env_steps: int, checkpoint: bool, collected: l
     `committed` are write results (`write`), regions now in the store: the learner records
     the version that first trained on each, and a checkpoint needs every region it covers
     among them (a resumed run finds them in the store). `collect`'s results carry their own.
-    `previous` (the last train call's metrics) is unused here: passing it makes Dask run the
-    calls of one learner in order.
+    `previous` (the last train call's metrics) makes Dask run the calls of one learner in
+    order; a call with it must find the learner where the previous call left it.
 
     Off-policy learners add the regions to their ring mirror and run `updates_per_region`
     updates per region (once `learning_starts` env steps are stored), sampling windows from
@@ -496,7 +516,7 @@ def train(config, iteration: int, env_steps: int, checkpoint: bool, collected: l
     Checkpoints when asked.
     """
     config = as_config(config)
-    state = _learner(config, iteration)
+    state = _learner(config, iteration, continuing=previous is not None)
     learner = state.parts.learner
     started = time.perf_counter()
     version = state.meta["param_version"]

@@ -33,6 +33,11 @@ def test_stages_run_as_plain_functions(tmp_path):
         assert out["metrics"]["lags"] == [0] and out["param_version"] == iteration + 1
     ev = stages.evaluate(cfg, params, 1)
     assert ev["episodes"] == config.eval_episodes
+    # a train call run twice (a lost result recomputed) is refused, not trained from the checkpoint
+    with pytest.raises(stages.LearnerOutOfStep, match="at iteration 2, asked to train iteration 1"):
+        stages.train(cfg, 1, 512, False, [stats], previous=out["metrics"])
+    with pytest.raises(stages.LearnerOutOfStep, match="checkpoint .* is at iteration 2, asked to train iteration 5"):
+        stages.train(cfg, 5, 512, False, [stats])
     ds = open_replay(config.store_path)
     assert ds.obs.dims == ("step", "env", "agent", "obs_dim")
     assert ds.sizes["step"] == 64 and list(np.unique(ds.iteration)) == [0, 1]
