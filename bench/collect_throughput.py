@@ -1,6 +1,9 @@
 """Collect-stage throughput: the pipeline (Dask worker, jitted rollout, Zarr region write
-and commit) against a plain jitted, vmapped jaxmarl rollout of the same policy in one
-process, side by side in one run, at several env counts.
+and commit) against the same jitted rollout (marl.rollout.make_collector, what the stage
+runs) called in a loop in this process with no Dask and no storage, side by side in one run,
+at several env counts. The reference runs before and after the stage and the ratio takes
+the mean of the two, so load that comes and goes on the machine hits both sides. A plain
+jaxmarl dict-API rollout of the same policy is reported beside it, for scale.
 
 The stage runs twice: "serial" submits each collect after the previous one returned (the
 lock-step K = 0 schedule: nothing to overlap with), "streamed" submits them all at once (as
@@ -71,6 +74,29 @@ def plain_rollout(n_envs: int, n_steps: int, repeats: int, epsilon: float) -> di
     return {"steps_per_s": n_envs * n_steps * repeats / seconds, "seconds": seconds}
 
 
+def plain_collector(n_envs: int, n_steps: int, repeats: int) -> dict:
+    """The collect stage's own jitted rollout in this process: envs carried from region to
+    region, the region waited for (block_until_ready); no Dask, no host copy, no Zarr."""
+    import jax
+    import jax.numpy as jnp
+
+    from marl import algos, envs, rollout
+
+    env = envs.make("smax:3m")
+    learner = algos.make_learner("qmix", env.spec, algos.config_for("qmix"))
+    init, collect = rollout.make_collector(env, learner.act, learner.init_carry, n_envs, n_steps)
+    params = learner.policy_params(learner.init(jax.random.PRNGKey(0)))
+    explore = learner.exploration(jnp.float32(10**6))  # as the stage's calls below
+    state, data, _ = collect(params, init(jax.random.PRNGKey(1)), explore)  # compile
+    jax.block_until_ready(data)
+    started = time.perf_counter()
+    for _ in range(repeats):
+        state, data, _ = collect(params, state, explore)
+        jax.block_until_ready(data)
+    seconds = time.perf_counter() - started
+    return {"steps_per_s": n_envs * n_steps * repeats / seconds, "seconds": seconds}
+
+
 def _timings(rolled: dict, written: dict) -> dict:
     return {**{k: v for k, v in rolled.items() if k != "data"}, **written}
 
@@ -127,15 +153,20 @@ def main():
     with make_cluster(n_workers=1, kind="auto", dashboard_address="127.0.0.1:0") as cluster, Client(cluster) as client:
         worker = sorted(workers(client))[0]
         for n in args.envs:
-            # the plain rollout runs while the worker idles, and the other way round, so the
+            # the references run while the worker idles, and the other way round, so the
             # two never share the cores
-            plain = plain_rollout(n, args.steps, args.repeats, args.epsilon)
-            for mode in ("serial", "streamed"):
-                piped = pipeline_collect(client, worker, n, args.steps, args.repeats, mode == "streamed")
+            jaxmarl = plain_rollout(n, args.steps, args.repeats, args.epsilon)
+            before = plain_collector(n, args.steps, args.repeats)
+            piped = {mode: pipeline_collect(client, worker, n, args.steps, args.repeats, mode == "streamed")
+                     for mode in ("serial", "streamed")}
+            after = plain_collector(n, args.steps, args.repeats)
+            plain = (before["steps_per_s"] + after["steps_per_s"]) / 2
+            for mode, out in piped.items():
                 row = {"n_envs": n, "mode": mode, "steps_per_region": args.steps, "repeats": args.repeats,
-                       "plain_steps_per_s": plain["steps_per_s"], "pipeline_steps_per_s": piped["steps_per_s"],
-                       "ratio": piped["steps_per_s"] / plain["steps_per_s"],
-                       **{f"pipeline_{k}": v for k, v in piped.items() if k != "steps_per_s"}}
+                       "plain_steps_per_s": plain, "plain_before_after": [before["steps_per_s"], after["steps_per_s"]],
+                       "jaxmarl_steps_per_s": jaxmarl["steps_per_s"], "pipeline_steps_per_s": out["steps_per_s"],
+                       "ratio": out["steps_per_s"] / plain,
+                       **{f"pipeline_{k}": v for k, v in out.items() if k != "steps_per_s"}}
                 rows.append(row)
                 print(json.dumps(row), flush=True)
                 if args.out:  # each row as soon as it is measured (bench/gpu.sh)
@@ -144,17 +175,20 @@ def main():
 
     plt = report.save(
         "collect_throughput", {"rows": rows},
-        ["envs N", "stage submitted", "plain jaxmarl rollout (steps/s)", "collect stage via Dask + Zarr (steps/s)",
-         "ratio", "rollout + copy s", "write+commit s", "waiting for the previous write s", "wall s", "store MiB"],
-        ["---:", "---"] + ["---:"] * 8,
-        [[str(r["n_envs"]), r["mode"], f"{r['plain_steps_per_s']:,.0f}", f"{r['pipeline_steps_per_s']:,.0f}",
+        ["envs N", "stage submitted", "jaxmarl dict-API rollout (steps/s)",
+         "the stage's rollout in-process, before / after (steps/s)", "collect stage via Dask + Zarr (steps/s)",
+         "ratio to the in-process rollout", "rollout + copy s", "write+commit s", "waiting for the previous write s",
+         "wall s", "store MiB"],
+        ["---:", "---"] + ["---:"] * 9,
+        [[str(r["n_envs"]), r["mode"], f"{r['jaxmarl_steps_per_s']:,.0f}",
+          " / ".join(f"{v:,.0f}" for v in r["plain_before_after"]), f"{r['pipeline_steps_per_s']:,.0f}",
           f"{r['ratio']:.2f}", f"{r['pipeline_rollout_s']:.2f}", f"{r['pipeline_write_s']:.2f}",
           f"{r['pipeline_write_wait_s']:.2f}", f"{r['pipeline_seconds']:.2f}", f"{r['pipeline_store_mib']:.0f}"]
          for r in rows])
     fig, ax = plt.subplots(figsize=(6, 4))
     ns = sorted({r["n_envs"] for r in rows})
     ax.plot(ns, [next(r for r in rows if r["n_envs"] == n)["plain_steps_per_s"] for n in ns], "o-",
-            label="plain jitted jaxmarl rollout")
+            label="the stage's rollout in one process (mean of before/after)")
     for mode, marker in (("serial", "s-"), ("streamed", "^-")):
         ax.plot(ns, [next(r for r in rows if r["n_envs"] == n and r["mode"] == mode)["pipeline_steps_per_s"]
                      for n in ns], marker, label=f"collect stage (Dask + Zarr), {mode}")

@@ -3,11 +3,14 @@ their presets' settings, the same env-step budget, side by side in one run.
 
     plain     the same learner code in one process: jitted collect, then update, then
               (on the preset's cadence) evaluate; no Dask, no Zarr
-    K=k C=c   `marl train` (Prefect flow, LocalCluster of c + 1 single-threaded workers:
+    K=k,C=c   `marl train` (Prefect flow, LocalCluster of c + 1 single-threaded workers:
               the learner's and one per collector) with max_policy_lag k and c collectors
+    K=k,C=c,W=w  the same on w workers (W=1: every stage in the learner's worker process)
 
 Throughput is steady state: env steps and updates after the first evaluation (by then
-every stage has compiled) over the wall time since it. The final score is the last greedy evaluation at
+every stage has compiled) over the wall time since it. Each seed runs every setting back to
+back, and "x plain" and "x K=0" are the mean over seeds of each seed's ratio (with the seeds'
+range), so load that comes and goes on the machine cancels within a seed. The final score is the last greedy evaluation at
 the same env steps (test win rate for SMAX, test return for MPE).
 
     python bench/dataflow.py [--algos qmix mappo maddpg] [--seeds 0 1 2]
@@ -40,7 +43,9 @@ import report  # noqa: E402  (bench/report.py)
 # mappo_pz: MAPPO on PettingZoo's simple spread, whose envs step in Python on CPU workers,
 # the collector-bound case (not run by default: --algos mappo_pz)
 PRESETS = {"qmix": "qmix-smac", "mappo": "mappo-mpe", "maddpg": "maddpg-mpe", "mappo_pz": "mappo-pz-spread"}
-BUDGET = {"qmix": 61_440, "mappo": 327_680, "maddpg": 64_000, "mappo_pz": 81_920}  # env steps per run
+# env steps per run; each leaves 50 (QMIX, MADDPG) or 10 (MAPPO) iterations, 20-25 s, after the
+# first evaluation for the steady state
+BUDGET = {"qmix": 61_440, "mappo": 327_680, "maddpg": 192_000, "mappo_pz": 81_920}
 DEFAULT_ALGOS = ["qmix", "mappo", "maddpg"]
 SETTINGS = ["plain", "K=0,C=1", "K=1,C=1", "K=2,C=1", "K=1,C=2", "K=2,C=2"]
 PARTS = ("rollout_s", "host_copy_s", "write_s", "read_s", "update_s", "publish_s", "checkpoint_s")
@@ -100,7 +105,8 @@ def plain_loop(preset: str, env_steps: int, seed: int) -> dict:
     return {"rows": rows}
 
 
-def pipeline(preset: str, env_steps: int, seed: int, lag: int, collectors: int, run_dir: str) -> dict:
+def pipeline(preset: str, env_steps: int, seed: int, lag: int, collectors: int, run_dir: str,
+             workers: int | None = None) -> dict:
     from flows import train as train_flow
 
     shutil.rmtree(run_dir, ignore_errors=True)
@@ -112,7 +118,7 @@ def pipeline(preset: str, env_steps: int, seed: int, lag: int, collectors: int, 
     train_flow.ITERATION_HOOKS.append(record)
     try:
         result = train_flow.marl_train(preset=preset, env_steps=env_steps, seed=seed, run_dir=run_dir,
-                                       collectors=collectors, n_workers=collectors + 1,
+                                       collectors=collectors, n_workers=workers or collectors + 1,
                                        overrides={"max_policy_lag": str(lag)})
     finally:
         train_flow.ITERATION_HOOKS.remove(record)
@@ -170,15 +176,18 @@ def main():
     results = []
     for algo in args.algos:
         preset = PRESETS[algo]
-        for setting in args.settings:
-            for seed in args.seeds:
+        # each seed's settings run back to back, so what else slows this machine for minutes
+        # at a time hits one seed's settings alike: the ratios are taken within a seed
+        for seed in args.seeds:
+            for setting in args.settings:
                 started = time.perf_counter()
                 if setting == "plain":
                     out = plain_loop(preset, budget[algo], seed)
                 else:
-                    lag, collectors = (int(part.split("=")[1]) for part in setting.split(","))
-                    out = pipeline(preset, budget[algo], seed, lag, collectors,
-                                   os.path.join(args.run_root, f"{algo}-{setting}-{seed}".replace(",", "-")))
+                    parts = dict(part.split("=") for part in setting.split(","))
+                    out = pipeline(preset, budget[algo], seed, int(parts["K"]), int(parts["C"]),
+                                   os.path.join(args.run_root, f"{algo}-{setting}-{seed}".replace(",", "-")),
+                                   workers=int(parts["W"]) if "W" in parts else None)
                 results.append({"algo": algo, "setting": setting, "seed": seed, **steady(out["rows"]),
                                 "dataflow": out.get("dataflow"), "rows": out["rows"],
                                 "total_wall_s": time.perf_counter() - started})
@@ -195,8 +204,6 @@ def write_report(args, budget: dict, results: list[dict], command: str | None = 
     rows = []
     for algo in args.algos:
         mine = [r for r in results if r["algo"] == algo]
-        plain = _mean(r["env_steps_per_s"] for r in mine if r["setting"] == "plain")
-        k0 = _mean(r["env_steps_per_s"] for r in mine if r["setting"] == "K=0,C=1")
         for setting in args.settings:
             runs = [r for r in mine if r["setting"] == setting]
             if not runs:
@@ -213,7 +220,7 @@ def write_report(args, budget: dict, results: list[dict], command: str | None = 
                     lags[lag] = lags.get(lag, 0) + n
             rows.append([algo, setting, f"{runs[0]['env_steps']:,}", f"{sps:,.0f}",
                          f"{_mean(r['updates_per_s'] for r in runs):,.1f}",
-                         f"{sps / plain:.2f}" if plain else "-", f"{sps / k0:.2f}" if k0 else "-",
+                         _paired(mine, runs, "plain"), _paired(mine, runs, "K=0,C=1"),
                          f"{busy('learner_busy')} / {_mean(steady):.2f}" if steady else "-",
                          busy("collector_busy"),
                          " ".join(f"{k}:{v}" for k, v in sorted(lags.items(), key=lambda kv: int(kv[0]))) or "-",
@@ -247,6 +254,17 @@ def write_report(args, budget: dict, results: list[dict], command: str | None = 
         ax.tick_params(axis="x", rotation=30)
     fig.tight_layout()
     fig.savefig(report.figure_path(args.results_name), dpi=120)
+
+
+def _paired(mine: list[dict], runs: list[dict], reference: str) -> str:
+    """The mean over seeds of each seed's env steps/s against the same seed's `reference`
+    run, with the seeds' range where there are several."""
+    ref = {r["seed"]: r["env_steps_per_s"] for r in mine if r["setting"] == reference}
+    ratios = [r["env_steps_per_s"] / ref[r["seed"]] for r in runs if r["seed"] in ref]
+    if not ratios:
+        return "-"
+    spread = f" ({min(ratios):.2f}-{max(ratios):.2f})" if len(ratios) > 1 else ""
+    return f"{_mean(ratios):.2f}{spread}"
 
 
 def _fmt_scores(kind: str, values: list) -> str:

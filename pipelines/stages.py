@@ -531,13 +531,18 @@ def train(config, iteration: int, env_steps: int, checkpoint: bool, collected: l
         if stored_env_steps < learner.config.learning_starts:
             n_updates = 0
     if n_updates:
+        # JAX dispatches the updates and returns: they run on XLA's threads while this one
+        # records the regions that earlier calls trained on, committed since (store I/O)
         state.train_state, m = learner.train(state.train_state, state.arrays,
                                              state.ring(config.n_collectors), n_updates)
-        metrics = _scalars(m)
+    _mark_trained(state, committed)
     jax.block_until_ready(state.train_state)
+    if n_updates:
+        metrics = _scalars(m)
     updated = time.perf_counter()
     lags = [version - int(c["param_version"]) for c in collected]
     state.unmarked.update({c["region"]: version for c in collected})
+    # this call's own regions where already committed (a checkpointing call, `collect` results)
     _mark_trained(state, [*committed, *(c for c in collected if c.get("committed"))])
     state.meta = {"iteration": iteration + 1, "env_steps": int(env_steps), "param_version": version + 1,
                   "updates": int(np.max(state.train_state["updates"]))}  # per seed
