@@ -15,7 +15,10 @@ fourth kill of the learner's worker stops the run in one line, by design). max_w
 from the run's start across moves. Kills happen only within the first --minutes.
 This is a script, not a test: it takes as long as it is told.
 
-    python bench/soak.py [--minutes 20] [--kill-every 120] [--workers 4] [--seed 0]
+    python bench/soak.py [--minutes 20] [--kill-every 120] [--workers 4] [--seed 0] [--learner-every N]
+
+--learner-every N makes every Nth kill the learner's worker (the worker running or holding a
+`train` task), so a soak covers learner moves whatever the random draws; the others stay random.
 
 Writes bench/results/soak-<minutes>m.{json,md}; the run dir goes to a temp dir (removed
 unless --keep).
@@ -120,6 +123,8 @@ def main(argv=None) -> int:
     ap.add_argument("--kill-every", type=float, default=120.0, help="seconds between SIGKILLs (default 120)")
     ap.add_argument("--workers", type=int, default=4)
     ap.add_argument("--seed", type=int, default=0, help="seed of the choice of worker to kill")
+    ap.add_argument("--learner-every", type=int, default=0,
+                    help="every Nth kill is the learner's worker (default 0: every kill random)")
     ap.add_argument("--keep", action="store_true", help="keep the run dir and logs")
     args = ap.parse_args(argv)
 
@@ -164,6 +169,14 @@ def main(argv=None) -> int:
                 live = [w for w in workers if w.poll() is None]
                 victim = rng.choice(live)
                 roles = _roles(address)
+                if args.learner_every and (len(kills) + 1) % args.learner_every == 0:
+                    for _ in range(50):  # until a train task shows which worker is the learner's
+                        learner = [w for w in live if "train" in roles.get(names[w.pid], [])]
+                        if learner:
+                            victim = learner[0]
+                            break
+                        time.sleep(0.2)
+                        roles = _roles(address)
                 os.kill(victim.pid, signal.SIGKILL)
                 victim.wait()
                 replacement = _worker(address, work, n, env)
@@ -236,15 +249,17 @@ def main(argv=None) -> int:
             print(f"soak: run dir and logs kept in {work}")
 
     os.makedirs(RESULTS, exist_ok=True)
-    name = f"soak-{args.minutes:g}m"
+    name = f"soak-{args.minutes:g}m" + (f"-learner{args.learner_every}" if args.learner_every else "")
     with open(os.path.join(RESULTS, f"{name}.json"), "w") as f:
         json.dump(result, f, indent=2)
     rows = "\n".join(f"| {k} | {'yes' if v else 'NO'} |" for k, v in checks.items())
     with open(os.path.join(RESULTS, f"{name}.md"), "w") as f:
+        targeted = f", every {args.learner_every}th the learner's" if args.learner_every else ""
         f.write(f"# Soak: {PRESET}, {args.minutes:g} min, a random worker of {args.workers} SIGKILLed every "
-                f"{args.kill_every:g} s\n\n`{result['command']}` ({result['date']})\n\n"
+                f"{args.kill_every:g} s{targeted}\n\n`{result['command']}` ({result['date']})\n\n"
                 f"{len(kills)} kills; {iterations} iterations, {result['env_steps']:,} env steps, "
-                f"{len(committed)} regions committed (expected {regions}), updates {updates} "
+                f"{len(history)} commit markers (expected {regions}; the ring holds the last {len(committed)}), "
+                f"{learner_kills} kills of the learner's worker, updates {updates} "
                 f"(expected {want_updates}), exit {train.returncode}, {wall:.0f} s\n\n"
                 f"| check | passed |\n|---|---|\n{rows}\n")
     print(json.dumps({k: result[k] for k in ("checks", "ok", "iterations", "updates", "updates_expected",
