@@ -26,7 +26,8 @@ def describe(env_id: str) -> dict:
         actions = f"continuous {spec.action_dim} in [{spec.action_low:g}, {spec.action_high:g}]" + \
             (f" (own {'/'.join(map(str, sizes))})" if len(sizes) > 1 else "")
     return {"id": env_id, "family": family, "agents": spec.n_agents, "obs": spec.obs_dim,
-            "state": spec.state_dim, "actions": actions, "space": "discrete" if spec.discrete else "continuous",
+            "state": spec.state_dim, "obs_shape": spec.obs_shape, "state_shape": spec.state_shape,
+            "actions": actions, "space": "discrete" if spec.discrete else "continuous",
             "masked": spec.has_avail_actions, "limit": spec.episode_limit,
             "backend": "JAX" if spec.backend == "jax" else "CPU", "teams": env.teams}
 
@@ -36,6 +37,11 @@ def _teams(teams: dict) -> str:
     if len(teams) < 2:
         return ""
     return ", teams " + "/".join(f"{name}({len(members)})" for name, members in teams.items())
+
+
+def _size(dim: int, shape: tuple) -> str:
+    """An observation or state as `marl envs` shows it: an image's HxWxC, a vector's size."""
+    return "x".join(map(str, shape)) if shape else str(dim)
 
 
 def cmd_envs(args) -> int:
@@ -48,16 +54,24 @@ def cmd_envs(args) -> int:
     with warnings.catch_warnings():  # jaxmarl's deprecation notes are not about the listing
         warnings.simplefilter("ignore")
         rows = [describe(i) for i in ids]
+    # images as HxWxC (pistonball's 457x120x3), vectors as their size; each column as wide
+    # as its widest entry (atari's limit is 100000 steps)
+    sizes = {r["id"]: (_size(r["obs"], r["obs_shape"]), _size(r["state"], r["state_shape"]))
+             for r in rows if "unavailable" not in r}
     width = max(len(r["id"]) for r in rows)
-    print(f"{'id':{width}s}  {'family':13s} {'agents':>6s} {'obs':>5s} {'state':>5s}  {'backend':7s} "
-          f"{'limit':>5s}  actions")
+    obs_w = max([len("obs"), *(len(o) for o, _ in sizes.values())])
+    state_w = max([len("state"), *(len(s) for _, s in sizes.values())])
+    limit_w = max([len("limit"), *(len(str(r["limit"])) for r in rows if "limit" in r)])
+    print(f"{'id':{width}s}  {'family':13s} {'agents':>6s} {'obs':>{obs_w}s} {'state':>{state_w}s}  "
+          f"{'backend':7s} {'limit':>{limit_w}s}  actions")
     for r in rows:
         if "unavailable" in r:
             print(f"{r['id']:{width}s}  {r['family']:13s} not available here: {r['unavailable']}")
             continue
-        print(f"{r['id']:{width}s}  {r['family']:13s} {r['agents']:>6d} {r['obs']:>5d} {r['state']:>5d}  "
-              f"{r['backend']:7s} {r['limit']:>5d}  {r['actions']}{', masked' if r['masked'] else ''}"
-              f"{_teams(r['teams'])}")
+        obs, state = sizes[r["id"]]
+        print(f"{r['id']:{width}s}  {r['family']:13s} {r['agents']:>6d} {obs:>{obs_w}s} "
+              f"{state:>{state_w}s}  {r['backend']:7s} {r['limit']:>{limit_w}d}  {r['actions']}"
+              f"{', masked' if r['masked'] else ''}{_teams(r['teams'])}")
     print("any other importable PettingZoo ParallelEnv: pz:<module>.<env> (CPU); env kwargs: "
           "--set env_kwargs='{\"max_steps\": 50}'; teams: --set train_team=TEAM opponent=random|noop|EXPORT_DIR, or train_team=each")
     return 0

@@ -6,8 +6,10 @@
                             jaxmarl:MPE_simple_speaker_listener_v4), env kwargs as jaxmarl
                             takes them (a SMAX scenario or Overcooked layout by name)
     pz:<module>.<env>       any PettingZoo ParallelEnv (e.g. pz:mpe2.simple_spread_v3); `marl envs`
-                            lists mpe2's and butterfly's (pz:pettingzoo.butterfly.pistonball_v6,
-                            ...; the butterfly extra)
+                            lists mpe2's, butterfly's (pz:pettingzoo.butterfly.pistonball_v6, ...;
+                            the butterfly extra), sisl's (pz:pettingzoo.sisl.pursuit_v5, ...),
+                            atari's (PettingZoo's atari extra and ROMs) and classic's one
+                            parallel game (pz:pettingzoo.classic.rps_v2); see PETTINGZOO_LISTED
 
 `marl envs` lists every id. Each spec is derived from the env's own spaces: discrete,
 multi-discrete (one index over the product) or continuous actions; observations of any
@@ -510,13 +512,8 @@ class PettingZooEnv:
             if a in obs:
                 flat = _flat_np(obs[a])
                 obs_arr[i, : flat.size] = flat
-        if hasattr(self.env, "state"):
-            try:
-                state = np.asarray(self.env.state(), np.float32).reshape(-1)
-            except NotImplementedError:
-                state = obs_arr.reshape(-1)
-        else:
-            state = obs_arr.reshape(-1)
+        given = _state_of(self.env)
+        state = obs_arr.reshape(-1) if given is None else given.astype(np.float32).reshape(-1)
         if self._layout is None:
             avail = np.ones((s.n_agents, s.mask_width), bool)
         else:
@@ -533,10 +530,7 @@ class PettingZooEnv:
         for i, a in enumerate(s.agents):
             if a in obs:
                 obs_arr[i] = obs[a]
-        try:
-            given = self.env.state()
-        except (AttributeError, NotImplementedError):
-            given = None
+        given = _state_of(self.env)
         if given is None:
             state = np.concatenate(list(obs_arr), axis=-1)
         elif s.state_shape:
@@ -598,6 +592,16 @@ def _flat_np(x) -> np.ndarray:
         else np.zeros(0, np.float32)
 
 
+def _state_of(env) -> np.ndarray | None:
+    """A PettingZoo env's global state() as an array, None where it has none: not implemented,
+    or wrappers whose state() reaches an env without one (sisl's pursuit: AttributeError) or
+    whose `state` is not the method (classic's rps keeps its moves there: TypeError)."""
+    try:
+        return np.asarray(env.state())
+    except (AttributeError, NotImplementedError, TypeError):
+        return None
+
+
 def _is_image(x) -> bool:
     """An (H, W, C) uint8 array: an observation kept as an image rather than flattened."""
     return isinstance(x, np.ndarray) and x.ndim == 3 and x.dtype == np.uint8
@@ -618,9 +622,8 @@ def _image_shapes(probe, first_obs: dict, agents) -> tuple[tuple[int, ...], tupl
     if not seen or not all(_is_image(o) and o.shape == seen[0].shape for o in seen):
         return (), ()
     obs_shape = tuple(int(n) for n in seen[0].shape)
-    try:
-        state = np.asarray(probe.state())
-    except (AttributeError, NotImplementedError):
+    state = _state_of(probe)
+    if state is None:
         return obs_shape, _stacked_shape(obs_shape, len(agents))
     return obs_shape, (tuple(int(n) for n in state.shape) if _is_image(state) else ())
 
@@ -656,15 +659,20 @@ def _make_pettingzoo(env_id: str, target: str, kwargs: dict) -> PettingZooEnv:
     return pettingzoo_env(env_id, factory)
 
 
-# PettingZoo families whose packages an extra of this project installs
-PETTINGZOO_EXTRAS = {"pettingzoo.butterfly": "butterfly"}
+# PettingZoo families whose packages are extras: how to install what an env of theirs needs
+# (this project's own extra where it has one, else PettingZoo's)
+PETTINGZOO_EXTRAS = {
+    "pettingzoo.butterfly": "install the butterfly extra (pip install 'marl-dataflow[butterfly]')",
+    "pettingzoo.sisl": "install PettingZoo's sisl extra (pip install 'pettingzoo[sisl]')",
+    # the emulator alone does not run a game: AutoROM fetches the ROMs it needs
+    "pettingzoo.atari": ("install PettingZoo's atari extra and the Atari ROMs (pip install "
+                         "'pettingzoo[atari]' autorom, then AutoROM --accept-license)"),
+}
 
 
 def _install_hint(module_name: str, missing: str) -> str:
-    extra = next((x for prefix, x in PETTINGZOO_EXTRAS.items() if module_name.startswith(prefix)), None)
-    if extra:
-        return f"install the {extra} extra (pip install 'marl-dataflow[{extra}]')"
-    return f"install it (pip install {missing})"
+    hint = next((h for prefix, h in PETTINGZOO_EXTRAS.items() if module_name.startswith(prefix)), None)
+    return hint or f"install it (pip install {missing})"
 
 
 def _max_cycles(env) -> int:
@@ -687,9 +695,10 @@ def pettingzoo_env(env_id: str, factory) -> PettingZooEnv:
     obs_dim = max(_flat_np(first_obs[a]).size for a in agents if a in first_obs)
     layout = action_layout(env_id, [probe.action_space(a) for a in agents])
     obs_shape, state_shape = _image_shapes(probe, first_obs, agents)
-    try:
-        state_dim = int(np.prod(probe.state().shape))
-    except (AttributeError, NotImplementedError):
+    state = _state_of(probe)
+    if state is not None:
+        state_dim = int(state.size)
+    else:
         state_dim = int(np.prod(state_shape)) if state_shape else obs_dim * len(agents)
     limit = _max_cycles(probe)
     spec = EnvSpec(
@@ -714,10 +723,20 @@ def _check_kwargs(env_id: str, fn, kwargs: dict, reserved: frozenset | set = fro
         raise EnvError(f"{env_id}: unknown env kwarg(s) {', '.join(bad)}; valid: {', '.join(valid)}")
 
 
-# PettingZoo families beyond mpe2 whose every env `marl envs` lists: butterfly's pistonball
-# (images), cooperative pong (images) and knights-archers-zombies (vectors, agents that die)
-# each collect into a store and train (tests/test_env_registry.py, tests/test_image_obs.py)
-PETTINGZOO_LISTED = ("pettingzoo.butterfly",)
+# PettingZoo families beyond mpe2 that `marl envs` lists, each with the envs it lists (None:
+# every one). butterfly's pistonball (images), cooperative pong (images) and knights-archers-
+# zombies (vectors, agents that die), sisl's pursuit (8 pursuers on a grid) and classic's
+# rock-paper-scissors each collect into a store and train (tests/test_env_registry.py,
+# tests/test_image_obs.py); sisl's multiwalker needs Box2D and atari's games their emulator
+# and ROMs, which the test env lacks, so they are listed with the install line where those
+# are missing. classic's other games are turn-based AEC envs, which have no parallel_env:
+# not listed (a learner that acts every step for every agent does not fit them).
+PETTINGZOO_LISTED = {
+    "pettingzoo.butterfly": None,
+    "pettingzoo.sisl": None,
+    "pettingzoo.atari": None,
+    "pettingzoo.classic": ("rps_v2",),
+}
 
 
 def pz_ids() -> list[str]:
@@ -727,13 +746,14 @@ def pz_ids() -> list[str]:
 
     import mpe2
 
-    packages = [("mpe2", mpe2.__path__)]
-    for name in PETTINGZOO_LISTED:
+    packages = [("mpe2", mpe2.__path__, None)]
+    for name, only in PETTINGZOO_LISTED.items():
         found = importlib.util.find_spec(name)
         if found is not None:  # pettingzoo ships every family; their own packages are extras
-            packages.append((name, found.submodule_search_locations))
-    return [f"pz:{package}.{m.name}" for package, path in packages
-            for m in sorted(pkgutil.iter_modules(path), key=lambda m: m.name) if re.search(r"_v\d+$", m.name)]
+            packages.append((name, found.submodule_search_locations, only))
+    return [f"pz:{package}.{m.name}" for package, path, only in packages
+            for m in sorted(pkgutil.iter_modules(path), key=lambda m: m.name)
+            if re.search(r"_v\d+$", m.name) and (only is None or m.name in only)]
 
 
 def _pz_missing(target: str) -> str | None:
@@ -756,7 +776,7 @@ def env_ids() -> list[str]:
 def why_not(env_id: str) -> str | None:
     """Why a listed id cannot be made here (with what would work), None where it can."""
     kind, _, name = str(env_id).partition(":")
-    if kind == "pz" and name.startswith(PETTINGZOO_LISTED):
+    if kind == "pz" and name.startswith(tuple(PETTINGZOO_LISTED)):
         return _pz_missing(name)
     return unavailable(name) if kind == "jaxmarl" else None
 

@@ -154,21 +154,31 @@ SLOW_COLLECTS = [
 TIME_LIMIT_ONLY = ("overcooked", "coin_game", "MPE_", "pz:mpe2")
 
 
-def _tiny_run(tmp_path, env_id, env_kwargs, preset, algo):
+def _tiny_run(tmp_path, env_id, env_kwargs, preset, algo, **overrides):
     return make_run_config(preset, env_id=env_id, run_dir=str(tmp_path / "run"), overrides={
         "algo": algo, "env_kwargs": json.dumps(env_kwargs), "n_collectors": "1", "envs_per_collector": "2",
-        "steps_per_region": "8", "buffer_transitions": "64", "hidden": "16"})
+        "steps_per_region": "8", "buffer_transitions": "64", "hidden": "16", **overrides})
 
 
-def _collect_into_a_store(tmp_path, env_id, env_kwargs, preset, algo):
-    config = _tiny_run(tmp_path, env_id, env_kwargs, preset, algo)
+def _collect_into_a_store(tmp_path, env_id, env_kwargs, preset, algo, train=False):
+    """One tiny collect into a real store, checked; with `train` one train call on it too,
+    which must update the policy (see TRAINS)."""
+    config = _tiny_run(tmp_path, env_id, env_kwargs, preset, algo, **(TRAIN_SETTINGS[preset] if train else {}))
     spec = checks.check_env(config)  # the learner fits: no refusal
     cfg = config.to_dict()
     try:
         stages.prepare_run(cfg)
-        stages.collect(cfg, 0, 0, stages.policy_params(cfg), 0, 0)
+        before = stages.policy_params(cfg)
+        collected = stages.collect(cfg, 0, 0, before, 0, 0)
+        if train:
+            out = stages.train(cfg, 0, config.steps_per_region * config.envs_per_region, False, [collected])
     finally:
         stages.clear_caches()
+    if train:
+        metrics = out["metrics"]
+        assert metrics["updates"] == 1 and all(np.isfinite(v) for v in metrics.values() if isinstance(v, float))
+        moved = jax.tree.map(lambda a, b: np.abs(np.asarray(a) - np.asarray(b)).max(), before, out["params"])
+        assert max(jax.tree.leaves(moved)) > 0  # the train call changed the policy
     store = ReplayStore.open(config.store_path)
     assert envs.EnvSpec.from_dict(store.attrs["env_spec"]) == spec
     data = store.read_region(0)
@@ -212,6 +222,37 @@ def test_a_tiny_collect_into_a_real_store(tmp_path, env_id, env_kwargs, preset, 
 @pytest.mark.parametrize("env_id, env_kwargs, preset, algo", SLOW_COLLECTS, ids=[c[0] for c in SLOW_COLLECTS])
 def test_a_tiny_collect_of_the_slower_envs(tmp_path, env_id, env_kwargs, preset, algo):
     _collect_into_a_store(tmp_path, env_id, env_kwargs, preset, algo)
+
+
+# (env id, env kwargs, preset, algorithm): a tiny collect and one train call each, on the
+# PettingZoo families beyond mpe2 and butterfly (sisl's pursuit: 8 pursuers on a grid, 5
+# discrete moves; classic's one parallel game, rock-paper-scissors), each learner that fits
+# their discrete actions; the rest of the learners with MARL_ALL_ENVS=1 (10-20 s each)
+PURSUIT = ("pz:pettingzoo.sisl.pursuit_v5", {"max_cycles": 5})
+RPS = ("pz:pettingzoo.classic.rps_v2", {"max_cycles": 5})
+TRAINS = [(*PURSUIT, "mappo-mpe-tiny", "mappo"), (*RPS, "qmix-smac-tiny", "qmix")]
+SLOW_TRAINS = [(*PURSUIT, "qmix-smac-tiny", algo) for algo in ("qmix", "vdn", "iql")] + \
+    [(*PURSUIT, "mappo-mpe-tiny", "ippo")] + [(*RPS, "qmix-smac-tiny", algo) for algo in ("vdn", "iql")] + \
+    [(*RPS, "mappo-mpe-tiny", algo) for algo in ("mappo", "ippo")]
+# small enough for one update of a region of 2 envs x 8 steps
+TRAIN_SETTINGS = {"mappo-mpe-tiny": {"epochs": "1", "minibatches": "1"},
+                  "qmix-smac-tiny": {"learning_starts": "0", "batch_size": "2", "seq_len": "4",
+                                     "updates_per_region": "1", "mixer_embed": "4", "hypernet_embed": "8"}}
+
+
+@pytest.mark.parametrize("env_id, env_kwargs, preset, algo", TRAINS, ids=[f"{c[0]}-{c[3]}" for c in TRAINS])
+def test_a_tiny_collect_and_one_train_call_on_sisl_and_classic(tmp_path, env_id, env_kwargs, preset, algo):
+    spec, data = _collect_into_a_store(tmp_path, env_id, env_kwargs, preset, algo, train=True)
+    if "pursuit" in env_id:  # 8 pursuers, each seeing a 7x7 window of 3 layers
+        assert (spec.n_agents, spec.obs_dim, spec.n_actions) == (8, 147, 5)
+    else:  # 2 players, each seeing the other's last move (one of 4 values), 3 moves
+        assert (spec.n_agents, spec.n_actions) == (2, 3) and set(np.unique(data["obs"])) <= {0, 1, 2, 3}
+
+
+@all_envs
+@pytest.mark.parametrize("env_id, env_kwargs, preset, algo", SLOW_TRAINS, ids=[f"{c[0]}-{c[3]}" for c in SLOW_TRAINS])
+def test_a_tiny_collect_and_one_train_call_with_the_other_learners(tmp_path, env_id, env_kwargs, preset, algo):
+    _collect_into_a_store(tmp_path, env_id, env_kwargs, preset, algo, train=True)
 
 
 def test_agents_with_other_bounds_act_in_one_range_rescaled_to_their_own():
@@ -302,3 +343,39 @@ def test_marl_envs_lists_the_butterfly_envs_or_the_extra_they_need(capsys, monke
                                         "(pip install 'marl-dataflow[butterfly]')")
     assert main(["envs", "pistonball"]) == 0
     assert "not available here: needs pygame" in capsys.readouterr().out
+
+
+def test_marl_envs_lists_sisl_atari_and_the_one_parallel_classic_game(capsys):
+    from flows.cli import main
+
+    sisl = {i for i in ALL_IDS if i.startswith("pz:pettingzoo.sisl.")}
+    assert {"pz:pettingzoo.sisl.pursuit_v5", "pz:pettingzoo.sisl.multiwalker_v9"} <= sisl
+    # classic's turn-based games (chess, go, tictactoe, ...) have no parallel env: not listed
+    assert [i for i in ALL_IDS if i.startswith("pz:pettingzoo.classic.")] == ["pz:pettingzoo.classic.rps_v2"]
+    assert "pz:pettingzoo.atari.pong_v3" in ALL_IDS
+    assert main(["envs", "pettingzoo."]) == 0
+    rows = {line.split()[0]: line for line in capsys.readouterr().out.splitlines() if line.startswith("pz:")}
+    assert "discrete 5" in rows["pz:pettingzoo.sisl.pursuit_v5"] and " CPU " in rows["pz:pettingzoo.sisl.pursuit_v5"]
+    assert "discrete 3" in rows["pz:pettingzoo.classic.rps_v2"]
+    # what is missing here says how to install it (Box2D for multiwalker, the emulator and ROMs for atari)
+    if envs.why_not("pz:pettingzoo.sisl.multiwalker_v9"):
+        assert "not available here: needs Box2D, which is not installed; install PettingZoo's sisl extra " \
+               "(pip install 'pettingzoo[sisl]')" in rows["pz:pettingzoo.sisl.multiwalker_v9"]
+    if envs.why_not("pz:pettingzoo.atari.pong_v3"):
+        assert "AutoROM --accept-license" in rows["pz:pettingzoo.atari.pong_v3"]
+
+
+def test_marl_envs_columns_fit_image_sizes(capsys):
+    from flows.cli import main
+
+    assert main(["envs", "butterfly"]) == 0
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith(("id ", "pz:"))]
+    header, rows = lines[0], {line.split()[0]: line for line in lines[1:]}
+    piston = rows["pz:pettingzoo.butterfly.pistonball_v6"]
+    assert piston.split()[3:5] == ["457x120x3", "560x880x3"]  # a piston's crop, the screen of 20
+    # every column's values end where its heading does
+    for column, value in (("obs", "457x120x3"), ("state", "560x880x3"), ("limit", "125")):
+        end = header.index(f" {column} ") + len(column) + 1
+        assert piston[end - len(value): end] == value, (header, piston)
+    knights = rows["pz:pettingzoo.butterfly.knights_archers_zombies_v11"]
+    assert knights[header.index(" obs ") + 4 - 3: header.index(" obs ") + 4] == "135"  # vectors: their size
