@@ -3,7 +3,8 @@
 Layout of one store (a Zarr v3 group at ``path``)::
 
     zarr.json                 group attributes: schema_version, env_id, env_spec, algorithm,
-                              seed, config, n_envs, steps_per_region, n_slots, fields
+                              seed, config, n_envs, steps_per_region, n_slots, fields,
+                              chunk_bytes (the budget below; remake_damaged_arrays reuses it)
     <field>/                  one array per field, shape (n_slots*T, n_envs, *field.shape),
                               chunks (t, n_envs, *field.shape) with t the largest divisor of
                               T whose chunk holds at most CHUNK_BYTES: a region is T/t whole
@@ -89,7 +90,9 @@ HISTORY = "commits"
 _RESERVED_NAMES = frozenset(COORDS) | {COMMIT, TRAINED, HISTORY}
 _RESERVED_DIMS = frozenset({STEP_DIM, ENV_DIM, SLOT_DIM})
 EVERY_CHUNK = "every_chunk_written"  # group attribute: a written slot has all its chunks on disk
-_STORE_KEYS = ("schema_version", "n_envs", "steps_per_region", "n_slots", "fields", EVERY_CHUNK)
+CHUNK_BYTES_KEY = "chunk_bytes"  # group attribute: the chunk_bytes the store was made with
+_STORE_KEYS = ("schema_version", "n_envs", "steps_per_region", "n_slots", "fields", EVERY_CHUNK,
+               CHUNK_BYTES_KEY)
 # Largest uncompressed chunk of a field. Smaller chunks let many cores encode one region at
 # once (a GPU run's regions are GBs); on 2 cores 16 MiB and whole-region chunks measured the
 # same and 1 MiB chunks at half the speed (per-chunk overhead), see bench/write_throughput.py.
@@ -367,6 +370,18 @@ def _array_specs(fields: dict[str, "Field"], n_envs: int, T: int, n_slots: int,
     return specs
 
 
+def _chunk_bytes_of(arrays: dict[str, zarr.Array], fields: dict[str, "Field"], T: int, n_envs: int) -> int:
+    """The chunk_bytes of a store made before it was recorded, from its intact field arrays'
+    chunks: CHUNK_BYTES where it gives every one of them, else the largest of their chunks'
+    bytes (which gives each of them again: chunk_shape takes the largest chunk that fits)."""
+    def fits(chunk_bytes: int) -> bool:
+        return all(tuple(a.chunks) == chunk_shape(T, n_envs, fields[name], chunk_bytes) for name, a in arrays.items())
+
+    if fits(CHUNK_BYTES):
+        return CHUNK_BYTES
+    return max(int(np.prod(a.chunks)) * a.dtype.itemsize for a in arrays.values())
+
+
 def _fix(path: str) -> str:
     return (f"run `marl replay verify {path} --drop-damaged` to drop the damaged regions from "
             f"the commit log, then resume")
@@ -510,6 +525,7 @@ class ReplayStore:
                 "n_slots": n_slots,
                 "fields": {name: f.to_json() for name, f in fields.items()},
                 EVERY_CHUNK: True,
+                CHUNK_BYTES_KEY: chunk_bytes,  # an array remade later gets the same chunks
             }
         )
         return cls(path, _open_group(path, "r+", durable), "r+")
@@ -931,18 +947,26 @@ class ReplayStore:
     @classmethod
     def remake_damaged_arrays(cls, path) -> list[str]:
         """Remakes, empty, every array whose metadata is missing or damaged (from the group's
-        attributes) and uncommits every slot: the store then opens, holds no region, and a
-        resumed run refills it. Returns the arrays remade. Group metadata cannot be remade."""
+        attributes, with the chunk shape and compressors the store's own arrays have) and
+        uncommits every slot: the store then opens, holds no region, and a resumed run refills
+        it. Returns the arrays remade. Group metadata cannot be remade."""
         path = os.fspath(path)
         group = cls._checked_group(path, "r+", True)  # raises for damaged group metadata
         attrs = dict(group.attrs)
         fields = {name: Field.from_json(f) for name, f in attrs["fields"].items()}
         T, n_envs, n_slots = int(attrs["steps_per_region"]), int(attrs["n_envs"]), int(attrs["n_slots"])
-        specs = _array_specs(fields, n_envs, T, n_slots)
-        broken = [name for name in specs if not isinstance(_array_or_damage(path, group, name), zarr.Array)]
+        arrays = {name: _array_or_damage(path, group, name) for name in (*fields, *COORDS, COMMIT, TRAINED)}
+        intact = {name: a for name, a in arrays.items() if name in fields and isinstance(a, zarr.Array)}
+        chunk_bytes = int(attrs.get(CHUNK_BYTES_KEY) or _chunk_bytes_of(intact, fields, T, n_envs))
+        broken = [name for name, a in arrays.items() if not isinstance(a, zarr.Array)]
         for name in broken:
+            # the fields' own compressors (all alike at create; a codec such as blosc is fitted
+            # to the dtype, so one of the same dtype's first), where a field's metadata is left
+            like = sorted(intact.values(), key=lambda a: name not in fields or a.dtype != fields[name].dtype)
+            compressors = like[0].compressors if like else None
+            spec = _array_specs(fields, n_envs, T, n_slots, chunk_bytes, compressors)[name]
             shutil.rmtree(os.path.join(path, name), ignore_errors=True)
-            group.create_array(name, **specs[name])
+            group.create_array(name, **spec)
         if broken:
             store = cls(path, _open_group(path, "r+", True), "r+")
             store._set_all({COMMIT: (slice(None), -1), TRAINED: (slice(None), -1)})

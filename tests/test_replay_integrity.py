@@ -342,6 +342,38 @@ def test_a_writer_killed_mid_region_never_leaves_it_committed(tmp_path):
 # ------------------------------------------------------------ stores written before checksums
 
 
+@pytest.mark.parametrize("recorded", [True, False], ids=["chunk-bytes-recorded", "store-made-before"])
+def test_a_remade_array_gets_the_chunks_and_codecs_the_store_was_made_with(recorded, tmp_path):
+    """A store made with its own chunk budget and codec: an array whose metadata is lost is
+    remade with the chunks it had (not the default CHUNK_BYTES'), read from the group's
+    chunk_bytes, or in a store made before that was recorded, from its intact fields'
+    chunks; its compressors are the other fields'. The store then takes regions again."""
+    import zarr
+
+    path = str(tmp_path / "replay")
+    budget = 4 * 4 * 2 * 3 * 4  # obs chunks of 4 steps, reward of 8, flags whole regions of 16
+    codecs = (zarr.codecs.BloscCodec(cname="lz4", clevel=1),)
+    store = ReplayStore.create(path, fields=FIELDS, n_envs=4, steps_per_region=16, n_slots=2, attrs={},
+                               chunk_bytes=budget, compressors=codecs)
+    made = {name: (tuple(a.chunks), a.compressors) for name, a in store._arrays.items()}
+    assert made["obs"][0] == (4, 4, 2, 3) and made["reward"][0] == (8, 4, 2)
+    store.write_region(0, region_data(0, 16, 4), iteration=0, collector=0, param_version=0)
+    lost = "obs" if recorded else "reward"  # a store made before can tell reward's chunks from obs's
+    if not recorded:
+        group = zarr.open_group(path, mode="r+")
+        del group.attrs["chunk_bytes"]
+    os.remove(f"{path}/{lost}/zarr.json")
+    with pytest.raises(ReplayDamaged, match=f"array '{lost}' is missing"):
+        ReplayStore.open(path)
+    assert ReplayStore.remake_damaged_arrays(path) == [lost]
+    store = ReplayStore.open(path, mode="r+")
+    assert {name: (tuple(a.chunks), a.compressors) for name, a in store._arrays.items()} == made
+    assert store.committed() == []  # remade empty: every region dropped
+    store.write_region(1, region_data(1, 16, 4), iteration=1, collector=0, param_version=1)
+    np.testing.assert_array_equal(store.read_region(1)[lost], region_data(1, 16, 4)[lost])
+    assert store.verify()[0] == []
+
+
 @pytest.mark.parametrize("name", ["replay-before-every-chunk", "replay-before-checksums"])
 def test_stores_written_before_checksums_still_read(name, tmp_path):
     """Stores made by earlier code (tests/data/README.md): their arrays' metadata name their
