@@ -796,9 +796,6 @@ def make(env_id: str, **kwargs):
     if train_team is None:
         env.teams = groups
         return env
-    if env.spec.obs_shape:
-        raise EnvError(f"{env_id}: train_team= with image observations is not supported yet; "
-                       "drop train_team to train all agents as one team")
     if train_team == team_settings.EACH:  # every agent acts through the learner, one per team
         env.spec = dataclasses.replace(env.spec, teams=team_settings.learning_teams(env, groups))
         env.teams = groups

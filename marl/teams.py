@@ -31,6 +31,11 @@ With `train_team=each` every team learns: the env stays whole (all agents act th
 learner) and its spec lists the teams (`EnvSpec.teams`), for which marl.algos.make_learner
 builds one learner per team (`team_learners`) that the stages drive as one.
 
+Image observations (a PettingZoo env whose agents see (H, W, C) uint8 images) stay images
+either way: a team's view keeps its agents' images (and an exported opponent policy gets its
+agents' images), and with `train_team=each` the store keeps every agent's while each team's
+learner takes its agents' and puts them through its own conv encoder (marl.encoders).
+
 `team_scores(env)` scores every team of either kind of run apart (its own mean reward and
 win), for evaluating a trained run team by team.
 """
@@ -402,9 +407,11 @@ class TeamParallelEnv:
     `step` with a fixed numpy opponent. Everything else (state(), render(), max_cycles,
     spaces) is the wrapped env's."""
 
-    def __init__(self, inner, team, others, opponent: _NumpyOpponent, layout: dict, obs_dim: int, env_id: str):
+    def __init__(self, inner, team, others, opponent: _NumpyOpponent, layout: dict, obs_dim: int, env_id: str,
+                 image_shape: tuple = ()):
         self._inner, self._team, self._others = inner, tuple(team), tuple(others)
         self._opponent, self._layout, self._obs_dim, self._env_id = opponent, layout, obs_dim, env_id
+        self._image_shape = tuple(image_shape)  # the opponents see uint8 images of this shape; () = vectors
         self.possible_agents = list(team)
         self._obs, self._first = {}, True
         self.rewards = {}  # every agent's reward of the last step (the opponents' too)
@@ -431,9 +438,16 @@ class TeamParallelEnv:
         from marl.envs import _flat_np, numpy_action
 
         live = set(self._inner.agents)
-        obs = np.zeros((len(self._others), self._obs_dim), np.float32)
+        if self._image_shape:  # images stay whole uint8, as an exported image policy takes them
+            obs = np.zeros((len(self._others), *self._image_shape), np.uint8)
+        else:
+            obs = np.zeros((len(self._others), self._obs_dim), np.float32)
         for j, a in enumerate(self._others):
-            if a in self._obs:
+            if a not in self._obs:
+                continue  # gone: zeros
+            if self._image_shape:
+                obs[j] = self._obs[a]
+            else:
                 flat = _flat_np(self._obs[a])
                 obs[j, : flat.size] = flat
         opp = self._opponent.act(obs, self._layout["mask"], self._first)
@@ -452,24 +466,25 @@ class TeamParallelEnv:
 
 def team_pettingzoo_factory(env_id: str, factory, agents, teams: dict, train_team: str, opponent: str):
     """A factory of TeamParallelEnv around `factory`'s envs (checked once, here)."""
-    from marl.envs import _flat_np, action_layout
+    from marl.envs import _flat_np, _image_shapes, action_layout
 
     others = tuple(a for a in agents if a not in teams[train_team])
     probe = factory()
     first_obs, _ = probe.reset(seed=0)
     layout = action_layout(env_id, [probe.action_space(a) for a in others])
     obs_dim = max(_flat_np(first_obs[a]).size for a in others if a in first_obs)
+    image_shape, _ = _image_shapes(probe, first_obs, agents)  # () where the env's obs are vectors
     probe.close()
     policy = None
     if opponent not in FIXED_OPPONENTS:
         policy = _load_policy(env_id, opponent, others, dict(
-            obs_dim=obs_dim, discrete=layout["discrete"], n_actions=layout["n_actions"],
+            obs_dim=obs_dim, obs_shape=image_shape, discrete=layout["discrete"], n_actions=layout["n_actions"],
             action_dim=layout["action_dim"], action_low=layout["action_low"], action_high=layout["action_high"]))
 
     def team_factory():
         fixed = _NumpyOpponent(opponent if policy is None else "policy", layout["discrete"], layout["action_low"],
                                layout["action_high"], layout["action_dim"], policy)
-        return TeamParallelEnv(factory(), teams[train_team], others, fixed, layout, obs_dim, env_id)
+        return TeamParallelEnv(factory(), teams[train_team], others, fixed, layout, obs_dim, env_id, image_shape)
 
     return team_factory
 
@@ -574,6 +589,9 @@ def team_learners(make_one, algo: str, spec: EnvSpec, config):
 
     teams = spec.teams
     subs = {t[0]: make_one(team_spec(spec, t), config) for t in teams}
+    # image observations [.., agent, H, W, C] are every agent's same shape: only the agent
+    # axis (further back) is cut, never a width
+    agent_fields = dict(_AGENT_FIELDS, obs=(1 + len(spec.obs_shape), None)) if spec.obs_shape else _AGENT_FIELDS
     index = {t[0]: np.array([spec.agents.index(a) for a in t[1]]) for t in teams}
     widths = {t[0]: dict(obs_dim=t[2], mask=t[3] if spec.discrete else 1, act=t[4]) for t in teams}
     on_policy = {s.on_policy for s in subs.values()}
@@ -592,8 +610,8 @@ def team_learners(make_one, algo: str, spec: EnvSpec, config):
         idx, w = index[team], widths[team]
         out = {}
         for key, value in batch.items():
-            if key in _AGENT_FIELDS:
-                back, width = _AGENT_FIELDS[key]
+            if key in agent_fields:
+                back, width = agent_fields[key]
                 axis = value.ndim - back
                 value = jnp.take(value, idx, axis=axis)
                 if width is not None:
@@ -635,7 +653,8 @@ def team_learners(make_one, algo: str, spec: EnvSpec, config):
         carries, extras = {}, {}
         for (team, sub), k in zip(subs.items(), jax.random.split(key, len(subs))):
             idx, w = index[team], widths[team]
-            a, carries[team], e = sub.act(params[team], carry[team], obs[:, idx, : w["obs_dim"]],
+            mine = obs[:, idx] if spec.obs_shape else obs[:, idx, : w["obs_dim"]]
+            a, carries[team], e = sub.act(params[team], carry[team], mine,
                                           avail[:, idx, : w["mask"]], reset, k, explore[team])
             if spec.discrete:
                 actions = actions.at[:, idx].set(a.astype(jnp.int32))

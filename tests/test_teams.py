@@ -339,3 +339,49 @@ def test_a_training_smax_enemy_team_wins_when_the_allies_are_wiped_out():
     ts, state = jax.jit(env.step)(jax.random.PRNGKey(1), state, jnp.zeros(6, jnp.int32))
     reward, won = score(ts, state)
     assert names == ("ally", "enemy") and won.tolist() == [False, True] and reward.shape == (2,)
+
+
+# pistonball (tests/test_image_obs.py's tiny one): every piston sees a (457, 120, 3) uint8 crop
+PISTONBALL = "pz:pettingzoo.butterfly.pistonball_v6"
+PISTONS = {"n_pistons": 3, "continuous": False, "max_cycles": 5}
+CROP = (457, 120, 3)
+
+
+def test_teams_of_an_image_env_keep_their_images_and_each_learns_with_its_own_encoder(tmp_path):
+    split = "left:piston_0;right:piston_1,piston_2"
+    # one team's view: its agents' images, the other team played inside the step
+    view = envs.make(PISTONBALL, **PISTONS, teams=split, train_team="right", opponent="random")
+    assert view.spec.agents == ("piston_1", "piston_2") and view.spec.obs_shape == CROP
+    ts = view.reset(seed=0)
+    ts = view.step(np.array([2, 0]))
+    assert ts.obs.shape == (2, *CROP) and ts.obs.dtype == np.uint8 and ts.obs.any()
+    assert set(view.env.rewards) == {"piston_0", "piston_1", "piston_2"}  # the opponent piston played too
+    # every team learning: the store keeps every agent's images, each team's learner its own encoder
+    config = make_run_config(TINY, env_id=PISTONBALL, run_dir=str(tmp_path / "run"), n_collectors=1, overrides={
+        "env_kwargs": json.dumps({**PISTONS, "teams": split, "train_team": "each"}), "envs_per_collector": "2",
+        "steps_per_region": "8", "hidden": "16", "epochs": "1", "minibatches": "1"})
+    spec = checks.check_env(config)
+    assert [t[:2] for t in spec.teams] == [("left", ("piston_0",)), ("right", ("piston_1", "piston_2"))]
+    cfg = config.to_dict()
+    try:
+        stages.prepare_run(cfg)
+        before = stages.policy_params(cfg)
+        stats = stages.collect(cfg, 0, 0, before, 0, 0)
+        out = stages.train(cfg, 0, 16, True, [stats])
+    finally:
+        stages.clear_caches()
+    data = ReplayStore.open(config.store_path).read_region(0)
+    assert data["obs"].shape == (8, 2, 3, *CROP) and data["obs"].dtype == np.uint8
+    assert data["logp_left"].shape == (8, 2, 1) and data["logp_right"].shape == (8, 2, 2)
+    for team in ("left", "right"):
+        assert "encoder" in out["params"][team]["params"]  # the team's actor sees pixels through its own
+        assert np.isfinite(out["metrics"][f"{team}_value_loss"])
+        moved = jax.tree.map(lambda a, b: np.abs(np.asarray(a) - np.asarray(b)).max(), before[team], out["params"][team])
+        assert max(jax.tree.leaves(moved)) > 0
+    # a team exported alone plays the fixed opponent of a view on the images it sees
+    assert main(["export", config.run_dir, "--out", str(tmp_path / "right"), "--team", "right"]) == 0
+    left = envs.make(PISTONBALL, **PISTONS, teams=split, train_team="left", opponent=str(tmp_path / "right"))
+    assert left.spec.agents == ("piston_0",) and left.spec.obs_shape == CROP
+    left.reset(seed=0)
+    assert left.step(np.array([1])).obs.shape == (1, *CROP)
+    assert set(left.env.rewards) == {"piston_0", "piston_1", "piston_2"}
