@@ -542,7 +542,7 @@ def train(config, iteration: int, env_steps: int, checkpoint: bool, collected: l
     updated = time.perf_counter()
     lags = [version - int(c["param_version"]) for c in collected]
     state.unmarked.update({c["region"]: version for c in collected})
-    # this call's own regions where already committed (a checkpointing call, `collect` results)
+    # this call's own regions, where already committed (a checkpointing call, `collect` results)
     _mark_trained(state, [*committed, *(c for c in collected if c.get("committed"))])
     state.meta = {"iteration": iteration + 1, "env_steps": int(env_steps), "param_version": version + 1,
                   "updates": int(np.max(state.train_state["updates"]))}  # per seed
