@@ -168,7 +168,7 @@ class _SmaxDrawer:
     def __init__(self, env, episodes: list[Episode]):
         from matplotlib.figure import Figure
 
-        self.env = env.env  # jaxmarl's HeuristicEnemySMAX
+        self.env = env.env  # jaxmarl's HeuristicEnemySMAX, or a team run's whole SMAX
         self.fig = Figure(figsize=(6, 5), dpi=SMAX_DPI)  # SMAXVisualizer's figure size
         self.ax = self.fig.add_subplot()
         self.fps = 16 // SMAX_SUBSTEP_STRIDE  # SMAXVisualizer's 64 ms a sub-step
@@ -176,13 +176,15 @@ class _SmaxDrawer:
 
     def frames(self):
         agents, sub_steps = self.env.agents, self.env.world_steps_per_env_step
+        # every unit that can shoot: the heuristic env's agents are the allies only
+        units = getattr(self.env, "all_agents", agents)
         for episode in self.episodes:
             for t, (key, state, actions) in enumerate(episode.steps):
                 act = {a: actions[i] for i, a in enumerate(agents)}
                 states = jax.tree.map(np.asarray, self.env.step_env(key, state, act, get_state_sequence=True))
                 for s in range(0, sub_steps, SMAX_SUBSTEP_STRIDE):
                     sub = jax.tree.map(lambda x: x[s], states)
-                    shots = {a: int(sub.prev_attack_actions[i]) for i, a in enumerate(self.env.all_agents)}
+                    shots = {a: int(sub.prev_attack_actions[i]) for i, a in enumerate(units)}
                     self.env.init_render(self.ax, (key, sub, shots), s, t)
                     yield
 

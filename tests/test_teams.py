@@ -341,6 +341,28 @@ def test_a_training_smax_enemy_team_wins_when_the_allies_are_wiped_out():
     assert names == ("ally", "enemy") and won.tolist() == [False, True] and reward.shape == (2,)
 
 
+
+def test_a_smax_team_view_draws_both_sides_units():
+    """A team run on jaxmarl's SMAX renders with jaxmarl's SMAX renderer: every unit of the
+    whole env shoots and is drawn (the heuristic-enemy env names them `all_agents`, SMAX not)."""
+    from pipelines.render import SMAX_SUBSTEP_STRIDE, Episode, _SmaxDrawer, _whole_step
+
+    view = envs.make("jaxmarl:SMAX", scenario="3m", train_team="enemy", opponent="random")
+    key = jax.random.PRNGKey(0)
+    ts, state = view.reset(key)
+    episode = Episode([])
+    for t in range(2):
+        step_key = jax.random.fold_in(key, t)
+        ts, after = view.step(step_key, state, jnp.zeros(3, jnp.int32))
+        episode.steps.append(_whole_step(view, step_key, state, jnp.zeros(3, jnp.int32), after))
+        state = after
+    _, whole, actions = episode.steps[0]
+    assert actions.shape == (6,) and whole.unit_positions.shape == (6, 2)  # both sides' units
+    drawer = _SmaxDrawer(view, [episode])
+    frames = sum(1 for _ in drawer.frames())
+    assert frames == 2 * view.env.world_steps_per_env_step // SMAX_SUBSTEP_STRIDE
+    assert len(drawer.ax.collections) + len(drawer.ax.patches) > 0  # units were drawn
+
 # pistonball (tests/test_image_obs.py's tiny one): every piston sees a (457, 120, 3) uint8 crop
 PISTONBALL = "pz:pettingzoo.butterfly.pistonball_v6"
 PISTONS = {"n_pistons": 3, "continuous": False, "max_cycles": 5}
