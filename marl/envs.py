@@ -122,7 +122,7 @@ class Timestep(NamedTuple):
 
 # how each jaxmarl env ends an episode for real (terminated) rather than by its time limit
 # (truncated), and what counts as a win; families not listed end only at their time limit
-TIME_LIMIT_ONLY = ("mpe", "overcooked", "overcooked_v2", "coin_game")
+TIME_LIMIT_ONLY = ("mpe", "overcooked", "overcooked_v2", "coin_game", "storm")
 
 
 class JaxEnv:
@@ -315,9 +315,6 @@ def unavailable(name: str) -> str | None:
     if name == "LearnedPolicyEnemySMAX":
         return ("needs a policy function and its params, which an env id and JSON env kwargs cannot "
                 "carry; use jaxmarl:HeuristicEnemySMAX or smax:<map> (e.g. smax:3m)")
-    if family == "storm":
-        return ("its observations and actions are not keyed by agent name, which this registry does "
-                "not adapt yet; use another jaxmarl: env (e.g. jaxmarl:coin_game)")
     return None
 
 
@@ -375,7 +372,48 @@ def _make_jaxmarl(env_id: str, name: str, kwargs: dict) -> JaxEnv:
         raise EnvError(f"{env_id}: bad env kwarg ({why}); see jaxmarl's {name} arguments")
     if family == "smax" and getattr(env, "action_type", "discrete") != "discrete":
         raise EnvError(f"{env_id}: only discrete SMAX actions are supported; drop action_type")
+    if family == "storm":
+        env = StormByAgent(env)
     return _adapt(env, env_id, family)
+
+
+class StormByAgent:
+    """jaxmarl's STORM envs (storm, storm_2p, storm_np) as the dict-per-agent API every other
+    jaxmarl env has: their agents are the indices 0..n-1 and their observations and rewards
+    come as arrays over agents (storm's inventory with agents on its last axis) or as
+    tuples (storm_2p). Here agents are agent_<i>, each with its own observation and reward."""
+
+    def __init__(self, env):
+        self.env = env
+        self.agents = [f"agent_{i}" for i in env.agents]
+        self.max_steps = int(env.num_inner_steps * env.num_outer_steps)
+
+    def __getattr__(self, name):  # everything else is the wrapped env's
+        return getattr(self.env, name)
+
+    def _own(self, obs, i: int):
+        if isinstance(obs, (tuple, list)):  # storm_2p: one dict per agent
+            return obs[i]
+        if isinstance(obs, dict):  # storm: every agent's view, and inventories [item, agent]
+            return {"observation": obs["observations"][i], "inventory": obs["inventory"][:, i]}
+        return obs[i]  # storm_np: [agent, H, W, C]
+
+    def _by_agent(self, obs):
+        return {a: self._own(obs, i) for i, a in enumerate(self.agents)}
+
+    def action_space(self, agent):
+        return self.env.action_space(self.agents.index(agent))
+
+    def reset(self, key):
+        obs, state = self.env.reset(key)
+        return self._by_agent(obs), state
+
+    def step_env(self, key, state, actions: dict):
+        obs, state, reward, dones, info = self.env.step_env(key, state, jnp.stack([actions[a] for a in self.agents]))
+        reward = jnp.stack([jnp.asarray(r, jnp.float32) for r in reward]) if isinstance(reward, (tuple, list)) else reward
+        done = dones["__all__"]
+        return (self._by_agent(obs), state, {a: reward[i] for i, a in enumerate(self.agents)},
+                {**{a: done for a in self.agents}, "__all__": done}, info)
 
 
 def _space_of(space, env_id: str, agent) -> tuple[str, int, Any]:

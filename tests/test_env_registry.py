@@ -137,6 +137,7 @@ COLLECTS = [
     ("jaxmarl:overcooked", {"layout": "cramped_room", "max_steps": 5}, "mappo-mpe-tiny", "ippo"),  # images
     ("jaxmarl:coin_game", {"num_inner_steps": 2, "num_outer_steps": 2}, "qmix-smac-tiny", "vdn"),
     ("jaxmarl:switch_riddle", {}, "qmix-smac-tiny", "iql"),  # multi-discrete obs, ends by "tell"
+    ("jaxmarl:storm", {"num_inner_steps": 4}, "mappo-mpe-tiny", "ippo"),  # agents by index, obs over agents
     ("pz:mpe2.simple_speaker_listener_v4", {}, "mappo-mpe-tiny", "mappo"),  # the same padding on CPU
     ("pz:pettingzoo.butterfly.knights_archers_zombies_v11", {"max_cycles": 5}, "mappo-mpe-tiny", "mappo"),  # agents die
 ]
@@ -151,7 +152,7 @@ SLOW_COLLECTS = [
     ("jaxmarl:MPE_simple_facmac_3a_v1", {}, "mappo-mpe-tiny", "mappo"),
     ("pz:pettingzoo.butterfly.cooperative_pong_v6", {"max_cycles": 5}, "qmix-smac-tiny", "qmix"),  # images
 ]
-TIME_LIMIT_ONLY = ("overcooked", "coin_game", "MPE_", "pz:mpe2")
+TIME_LIMIT_ONLY = ("overcooked", "coin_game", "storm", "MPE_", "pz:mpe2")
 
 
 def _tiny_run(tmp_path, env_id, env_kwargs, preset, algo, **overrides):
@@ -201,7 +202,8 @@ def _collect_into_a_store(tmp_path, env_id, env_kwargs, preset, algo, train=Fals
     ended = data["terminated"] | data["truncated"]
     if any(k in env_id for k in TIME_LIMIT_ONLY):
         assert not data["terminated"].any()  # their episodes end only at the time limit
-    if min(env_kwargs.get("max_steps", 99), env_kwargs.get("max_cycles", 99)) < T or env_id.endswith("coin_game"):
+    inner_episodes = env_kwargs.get("num_inner_steps", 99) * env_kwargs.get("num_outer_steps", 1)  # coin game, STORM
+    if min(env_kwargs.get("max_steps", 99), env_kwargs.get("max_cycles", 99), inner_episodes) < T:
         assert ended.any()  # the short episodes ended inside the region
     return spec, data
 
@@ -253,6 +255,25 @@ def test_a_tiny_collect_and_one_train_call_on_sisl_and_classic(tmp_path, env_id,
 @pytest.mark.parametrize("env_id, env_kwargs, preset, algo", SLOW_TRAINS, ids=[f"{c[0]}-{c[3]}" for c in SLOW_TRAINS])
 def test_a_tiny_collect_and_one_train_call_with_the_other_learners(tmp_path, env_id, env_kwargs, preset, algo):
     _collect_into_a_store(tmp_path, env_id, env_kwargs, preset, algo, train=True)
+
+
+@pytest.mark.parametrize("name", ["storm", "storm_2p", "storm_np"])
+def test_storm_agents_each_see_their_own_view_and_get_their_own_reward(name):
+    """jaxmarl's STORM envs index agents 0..n-1 and answer arrays over agents (storm's
+    inventory with agents last) or tuples (storm_2p): each agent_<i> gets its own part."""
+    env = envs.make(f"jaxmarl:{name}")
+    raw = env.env.env  # jaxmarl's own env under the by-agent view
+    key = jax.random.PRNGKey(3)
+    ts, state = env.reset(key)
+    obs, _ = raw.reset(key)
+    for i in range(env.spec.n_agents):
+        own = obs[i] if name != "storm" else {"observation": obs["observations"][i], "inventory": obs["inventory"][:, i]}
+        np.testing.assert_array_equal(ts.obs[i], envs._flat(own))
+    actions = jnp.array([1, 2], jnp.int32)
+    step_key = jax.random.PRNGKey(4)
+    ts, _ = env.step(step_key, state, actions)
+    _, _, reward, _, _ = raw.step_env(jax.random.split(step_key)[0], state, actions)
+    np.testing.assert_array_equal(ts.reward, jnp.stack([jnp.asarray(r, jnp.float32) for r in reward]))
 
 
 def test_agents_with_other_bounds_act_in_one_range_rescaled_to_their_own():
