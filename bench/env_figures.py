@@ -99,11 +99,11 @@ def _figures(args) -> dict:
         "overcooked": {
             "runs": [
                 ("IPPO, jaxmarl:overcooked cramped_room", "ippo-mpe", "jaxmarl:overcooked",
-                 args.env_steps or 3_000_000,
+                 args.env_steps or 5_000_000,
                  # JaxMARL ippo_ff_overcooked.yaml: 16 envs x 128 steps, lr 2.5e-4 annealed,
-                 # tanh, 4 epochs x 4 minibatches, clip 0.2, ent 0.01, grad-norm 0.5; 64 envs
-                 # here (fewer, larger updates: the pipeline's per-update cost dominates on CPU)
-                 {"env_kwargs": json.dumps({"layout": "cramped_room"}), "envs_per_collector": "64",
+                 # tanh, 4 epochs x 4 minibatches, clip 0.2, ent 0.01, grad-norm 0.5, 5M steps;
+                 # 32 envs here (fewer, larger updates: the pipeline pays per update), lr constant
+                 {"env_kwargs": json.dumps({"layout": "cramped_room"}), "envs_per_collector": "32",
                   "steps_per_region": "128", "buffer_transitions": "8192", "hidden": "64",
                   "activation": "tanh", "lr": "2.5e-4", "epochs": "4", "minibatches": "4",
                   "anneal_lr_iterations": "0", "eval_episodes": "32"}),
@@ -146,6 +146,7 @@ def train(label: str, preset: str, env: str, env_steps: int, overrides: dict, ru
 
     shutil.rmtree(run_dir, ignore_errors=True)
     rows, started, loads = [], time.perf_counter(), []
+    started_utc = time.strftime("%Y-%m-%d %H:%M", time.gmtime())
 
     def record(row):
         rows.append({**row, "wall_s": time.perf_counter() - started})
@@ -166,10 +167,15 @@ def train(label: str, preset: str, env: str, env_steps: int, overrides: dict, ru
     keep = lambda r: {k: v for k, v in r.items()  # noqa: E731
                       if k in ("env_steps", "wall_s", "return") or (k.startswith("test_") and not k.endswith("_std"))}
     curve = [keep(r) for r in rows if "test_return" in r]
-    return {"label": label, "preset": preset, "env": env, "overrides": overrides,
+    return {"label": label, "preset": preset, "env": env, "overrides": overrides, "commit": _commit(),
+            "started_utc": started_utc, "ended_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime()),
             "env_steps_budget": env_steps, "env_steps": result["env_steps"], "wall_s": result["wall_s"],
             "stopped_by_wall": result["env_steps"] < env_steps, "final_eval": _floats(result["final_eval"]),
             "load_average_mean": sum(loads) / max(len(loads), 1), "curve": curve}
+
+
+def _commit() -> str:
+    return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
 
 
 def _floats(d: dict) -> dict:
@@ -230,8 +236,9 @@ def write(figure: str, spec: dict, runs: list[dict], randoms: list[dict], args):
 
     published = PUBLISHED.get(figure)
     metric = spec["metric"]
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    payload = {"figure": figure, "commit": commit, "date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime()),
+    commit = runs[0].get("commit") or _commit()  # the code the runs trained with
+    date = runs[0].get("started_utc", "") + " - " + runs[-1].get("ended_utc", time.strftime("%Y-%m-%d %H:%M", time.gmtime()))
+    payload = {"figure": figure, "commit": commit, "date_utc": date,
                "machine": machine(), "published": published, "runs": runs, "random": randoms}
     rows = []
     for run, rnd in zip(runs, randoms):
@@ -263,8 +270,20 @@ def write(figure: str, spec: dict, runs: list[dict], randoms: list[dict], args):
                       ["run", "env steps", "final", "mean of last 3", "best", "random policy", "notes",
                        "wall s", "load avg"],
                       ["---", "---:", "---:", "---:", "---:", "---:", "---", "---:", "---:"], rows)
-    fig, ax = plt.subplots(figsize=(8, 4.5))
+    teams = metric == "parl_sum"
+    fig, axes = plt.subplots(1, 2 if teams else 1, figsize=(13 if teams else 8, 4.5), squeeze=False)
+    ax = axes[0][0]
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    if teams:  # each team's own return (its agents' mean reward per episode), beside the sum
+        for i, team in enumerate(randoms[0]["teams"]):
+            curve = runs[0]["curve"]
+            axes[0][1].plot([c["env_steps"] for c in curve], [c[f"test_{team}_return"] for c in curve],
+                            color=colors[i + 1], marker=".", label=f"{team} (trained)")
+            axes[0][1].axhline(randoms[0][f"{team}_return"], color=colors[i + 1], linestyle=":",
+                               label=f"{team}, random policy ({randoms[0][f'{team}_return']:.2f})")
+        axes[0][1].set_xlabel("env steps")
+        axes[0][1].set_ylabel("greedy test return per team (its agents' mean)")
+        axes[0][1].legend(fontsize=7)
     for i, (run, rnd) in enumerate(zip(runs, randoms)):
         ax.plot([c["env_steps"] for c in run["curve"]], [c[metric] for c in run["curve"]],
                 color=colors[i], marker=".", label=run["label"])
