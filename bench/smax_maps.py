@@ -13,7 +13,8 @@ over the budget; MAPPO's learning rate anneals to 0 over that budget. A run stop
 when the command is run again, so the table can be built over several sittings; the wall
 time of every sitting adds up, and each row says which machine it ran on.
 
-Writes bench/results/smax_maps.{json,md,png} from every run found under --run-root.
+Writes bench/results/smax_maps.{json,md,png} (or --results-name's) from every run found
+under --run-root; a trial of other settings (--set) takes a run root and results name of its own.
 """
 
 from __future__ import annotations
@@ -148,7 +149,7 @@ def summarise(algo: str, scenario: str, points: list[dict]) -> dict:
             "wall_s": points[-1]["wall_s"]}
 
 
-def write_report(root: str) -> None:
+def write_report(root: str, name: str = "smax_maps") -> None:
     rows, curves = [], {}
     for algo in PRESETS:
         for scenario in TARGETS:
@@ -169,7 +170,7 @@ def write_report(root: str) -> None:
               at(r, 0.8), at(r, 0.9), f">= {r['target']} by {r['budget'] / 1e6:g}M: " + ("met" if r["met"] else "not met"),
               ", ".join(r["machines"]) or "-"] for r in rows]
     plt = report.save(
-        "smax_maps", {"rows": rows, "curves": {f"{a} {m}": c for (a, m), c in curves.items()},
+        name, {"rows": rows, "curves": {f"{a} {m}": c for (a, m), c in curves.items()},
                       "published": PUBLISHED},
         ["algorithm", "map", "seeds", "env steps / budget", "final test win (mean ± std)",
          "best test win (mean ± std)", "first mean >= 0.8 at", "first mean >= 0.9 at", "target", "machine"],
@@ -200,7 +201,7 @@ def write_report(root: str) -> None:
         ax.legend(fontsize=7)
     fig.suptitle("SMAX maps: mean over seeds (band: min-max)")
     fig.tight_layout()
-    fig.savefig(report.figure_path("smax_maps"), dpi=110)
+    fig.savefig(report.figure_path(name), dpi=110)
 
 
 def main():
@@ -215,6 +216,8 @@ def main():
     parser.add_argument("--max-wall-s", type=float, default=0.0,
                         help="stop each run after this long (0: no limit); run again to resume")
     parser.add_argument("--run-root", default="runs/bench-smax-maps")
+    parser.add_argument("--results-name", default="smax_maps",
+                        help="bench/results/NAME.{json,md,png}; a trial's own, so the main table stays")
     parser.add_argument("--report-only", action="store_true", help="only rebuild the table and figure")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="a preset override for every run, as marl train's --set")
@@ -230,9 +233,9 @@ def main():
         for scenario in maps:
             for algo in algos:
                 train(algo, scenario, args, overrides)
-                write_report(args.run_root)  # after each run: a later sitting may never come
+                write_report(args.run_root, args.results_name)  # after each run: a later sitting may never come
     else:
-        write_report(args.run_root)
+        write_report(args.run_root, args.results_name)
 
 
 if __name__ == "__main__":
