@@ -65,8 +65,19 @@ PUBLISHED = {
         "value": (1.915 + 1.52 + 1.814) / 3, "env_steps": 25_000 * 25,
         "scale": "sum over agents: adversary + 2 x good agent",
     },
-    "overcooked": None,  # filled below once found
-    "hanabi": None,
+    # no number found for these two (BENCHMARKS.md says where we looked): the row says so
+    "overcooked": {
+        "source": "FLAIROx/JaxMARL baselines/IPPO/config/ippo_ff_overcooked.yaml and ippo_ff_overcooked.py "
+                  "(commit c793d095): 5M steps, shaped reward annealed 1 -> 0 over 2.5M",
+        "what": "JaxMARL IPPO cramped_room return: no published number found in the sources searched",
+        "value": None, "env_steps": 5_000_000, "scale": "sparse return (20 per soup)",
+    },
+    "hanabi": {
+        "source": "FLAIROx/JaxMARL baselines/MAPPO/config/mappo_homogenous_ff_hanabi.yaml (commit c793d095): "
+                  "1e10 steps, 1024 envs x 128 steps",
+        "what": "MAPPO 2-player Hanabi score: no published number found in a readable source",
+        "value": None, "env_steps": 10_000_000_000, "scale": "score 0-25",
+    },
 }
 
 
@@ -265,6 +276,9 @@ def write(figure: str, spec: dict, runs: list[dict], randoms: list[dict], args):
     if published and published.get("value") is not None:
         rows.append([f"published: {published['what']}", f"{published['env_steps']:,}",
                      f"{published['value']:.2f}", "", "", "", published["scale"], "", ""])
+    elif published:
+        rows.append([f"published: {published['what']}", f"{published['env_steps']:,}", "n/a", "", "", "",
+                     published["scale"], "", ""])
     rows.append(["machine", "", "", "", "", "", payload["machine"], "", ""])
     plt = report.save(f"env_{figure.replace('-', '_')}", payload,
                       ["run", "env steps", "final", "mean of last 3", "best", "random policy", "notes",
