@@ -248,7 +248,8 @@ def write(figure: str, spec: dict, runs: list[dict], randoms: list[dict], args):
     published = PUBLISHED.get(figure)
     metric = spec["metric"]
     commit = runs[0].get("commit") or _commit()  # the code the runs trained with
-    date = runs[0].get("started_utc", "") + " - " + runs[-1].get("ended_utc", time.strftime("%Y-%m-%d %H:%M", time.gmtime()))
+    ended = runs[-1].get("ended_utc", time.strftime("%Y-%m-%d %H:%M", time.gmtime()))
+    date = f"{runs[0].get('started_utc', '')} - {ended}"
     payload = {"figure": figure, "commit": commit, "date_utc": date,
                "machine": machine(), "published": published, "runs": runs, "random": randoms}
     rows = []
@@ -261,7 +262,7 @@ def write(figure: str, spec: dict, runs: list[dict], randoms: list[dict], args):
             random_value = rnd["parl_sum"]
         else:
             random_value = rnd["return"]
-        values = [c[metric if metric != "test_return" else "test_return"] for c in run["curve"]]
+        values = [c[metric] for c in run["curve"]]
         run["final"], run["best"] = values[-1], max(values)
         run["last3"] = float(np.mean(values[-3:]))
         run["random"] = random_value
