@@ -38,7 +38,12 @@ def vmap_seeds(learner: Learner, n_seeds: int) -> Learner:
     join = lambda tree, axis=0: jax.tree.map(lambda x: join_envs(x, axis), tree)
 
     def init(key):
-        return jax.vmap(learner.init)(jax.random.split(key, n_seeds))
+        # one seed at a time, then stacked: under vmap, every orthogonal initialiser is a
+        # batched QR, and XLA:CPU runs a batched QR by fanning its batch out into the same
+        # intra-op pool its thunk runs on; two of them at once on a 2-thread pool wait for
+        # each other forever (MAPPO's recurrent actor with 3 seeds hung on every try)
+        states = [learner.init(k) for k in jax.random.split(key, n_seeds)]
+        return jax.tree.map(lambda *leaves: jnp.stack(leaves), *states)
 
     def init_carry(n_envs):
         return join(jax.vmap(lambda _: learner.init_carry(n_envs // n_seeds))(jnp.arange(n_seeds)))
@@ -69,7 +74,7 @@ def vmap_seeds(learner: Learner, n_seeds: int) -> Learner:
         return {k: (join(v), dims[k]) for k, v in out.items()}
 
     return dataclasses.replace(
-        learner, name=f"{learner.name}x{n_seeds}", init=jax.jit(init), act=act,
+        learner, name=f"{learner.name}x{n_seeds}", init=init, act=act,
         init_carry=init_carry, policy_params=jax.vmap(learner.policy_params),
         update=jax.vmap(learner.update),
         train=jax.jit(train, static_argnums=3),

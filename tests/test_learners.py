@@ -59,6 +59,32 @@ def test_seeds_split_and_join_envs_in_blocks():
     np.testing.assert_array_equal(seeds.join_envs(split, axis=1), x)
 
 
+SEEDS_INIT = """
+import jax, numpy as np
+from marl import algos, envs, seeds
+env = envs.make("smax:3m")
+learner = algos.make_learner("mappo", env.spec, algos.config_for("mappo", {"recurrent": True, "hidden": 128}))
+key = jax.random.PRNGKey(5)
+state = jax.block_until_ready(seeds.vmap_seeds(learner, 3).init(key))
+for s, k in enumerate(jax.random.split(key, 3)):  # each seed is that seed's own init
+    one = learner.init(k)
+    assert all(np.array_equal(a[s], b) for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(one)))
+print("initialised")
+"""
+
+
+def test_several_seeds_initialise_without_the_batched_qr_deadlock():
+    """vmap over seeds of an init with orthogonal initialisers made XLA:CPU run batched QRs
+    that deadlock its 2-thread pool (MAPPO's recurrent actor, 3 seeds: a hang on every try);
+    seeds are initialised one by one. In a subprocess, so a hang fails instead of stalling."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", SEEDS_INIT], capture_output=True, text=True, timeout=180,
+                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert done.returncode == 0 and "initialised" in done.stdout, done.stderr[-2000:]
+
+
 def test_flow_trains_independent_seeds_in_one_learner(tmp_path, prefect_server, dask_cluster):
     from flows.train import marl_train
 
