@@ -275,6 +275,9 @@ def test_every_team_learns_with_its_own_learner_and_replay_fields(tmp_path, capf
     # each team scored on its own reward (the run's own score: the first team's)
     assert evaluation["teams"] == ["adversary", "agent"] and evaluation["episodes"] > 0
     assert evaluation["return_mean"] == evaluation["adversary_return_mean"] != evaluation["agent_return_mean"]
+    # the run's loss (its metrics.csv column) is the mean of the teams' own
+    m = out["metrics"]
+    assert m["teams"] == ["adversary", "agent"] and m["loss"] == pytest.approx((m["adversary_loss"] + m["agent_loss"]) / 2)
     for team in ("adversary", "agent"):  # each team's learner updated its own actor
         assert f"{team}_actor_loss" in out["metrics"] and np.isfinite(out["metrics"][f"{team}_value_loss"])
         moved = jax.tree.map(lambda a, b: np.abs(np.asarray(a) - np.asarray(b)).max(), before[team], out["params"][team])
