@@ -185,9 +185,10 @@ def write_report(root: str, name: str = "smax_maps") -> None:
                 continue
             x = np.array([p["env_steps"] for p in points])
             y = np.array([p["per_seed"] for p in points])
-            line, = ax.plot(x, y.mean(1), label=f"{algo.upper()} ({y.shape[1]} seed{'s' * (y.shape[1] > 1)})")
+            color = f"C{list(PRESETS).index(algo)}"  # one colour per algorithm on every map
+            ax.plot(x, y.mean(1), color=color, label=f"{algo.upper()} ({y.shape[1]} seed{'s' * (y.shape[1] > 1)})")
             if y.shape[1] > 1:
-                ax.fill_between(x, y.min(1), y.max(1), color=line.get_color(), alpha=0.2)
+                ax.fill_between(x, y.min(1), y.max(1), color=color, alpha=0.2)
         for source, steps, win in PUBLISHED[scenario]:
             ax.plot([steps], [win], marker="*" if "PARL" in source else "D", ms=10, ls="none",
                     color="black" if "PARL" in source else "gray", label=source)
