@@ -389,7 +389,7 @@ class Dataflow:
         row = {"iteration": it.index + 1, "env_steps": (it.index + 1) * config.steps_per_iteration,
                "return": _mean(c["return_mean"] for c in collected),
                "win_rate": _mean(c["win_rate"] for c in collected),
-               "loss": m.get("loss", float("nan")), **{f"{t}_loss": m.get(f"{t}_loss") for t in m.get("teams", ())},
+               "loss": m.get("loss", float("nan")), **{f"{t}_loss": m[f"{t}_loss"] for t in m.get("teams", ())},
                "total_updates": m["total_updates"],
                "steps_per_s": config.steps_per_iteration / interval,
                "updates_per_s": m["updates"] / interval,

@@ -539,9 +539,9 @@ def train(config, iteration: int, env_steps: int, checkpoint: bool, collected: l
     jax.block_until_ready(state.train_state)
     if n_updates:
         metrics = _scalars(m)
-        teams = [team[0] for team in learner.spec.teams]
-        if teams:  # one learner per team, each its own <team>_loss: the row's loss is their mean
-            metrics.update(loss=float(np.mean([metrics[f"{t}_loss"] for t in teams])), teams=teams)
+        team_names = [team[0] for team in learner.spec.teams]
+        if team_names:  # one learner per team, each its own <team>_loss: the row's loss is their mean
+            metrics.update(loss=float(np.mean([metrics[f"{t}_loss"] for t in team_names])), teams=team_names)
     updated = time.perf_counter()
     lags = [version - int(c["param_version"]) for c in collected]
     state.unmarked.update({c["region"]: version for c in collected})

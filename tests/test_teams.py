@@ -344,7 +344,6 @@ def test_a_training_smax_enemy_team_wins_when_the_allies_are_wiped_out():
     assert names == ("ally", "enemy") and won.tolist() == [False, True] and reward.shape == (2,)
 
 
-
 def test_a_smax_team_view_draws_both_sides_units():
     """A team run on jaxmarl's SMAX renders with jaxmarl's SMAX renderer: every unit of the
     whole env shoots and is drawn (the heuristic-enemy env names them `all_agents`, SMAX not)."""
@@ -365,6 +364,7 @@ def test_a_smax_team_view_draws_both_sides_units():
     frames = sum(1 for _ in drawer.frames())
     assert frames == 2 * view.env.world_steps_per_env_step // SMAX_SUBSTEP_STRIDE
     assert len(drawer.ax.collections) + len(drawer.ax.patches) > 0  # units were drawn
+
 
 # pistonball (tests/test_image_obs.py's tiny one): every piston sees a (457, 120, 3) uint8 crop
 PISTONBALL = "pz:pettingzoo.butterfly.pistonball_v6"
