@@ -166,7 +166,7 @@ def check_env(config):
             raise envs.EnvError(f"{e} (these env kwargs are preset {config.preset}'s for {preset['env_id']}; "
                                 "pass --set env_kwargs='{}' or kwargs for this env)") from None
         raise
-    algos.check_env(config.algo, spec)
+    algos.check_env(config.algo, spec, config.algo_config())
     return spec
 
 

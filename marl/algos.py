@@ -54,7 +54,7 @@ RANGES = {
                      "updates_per_region", "target_update_interval", "eps_decay_steps", "epochs",
                      "minibatches", "n_step", "actor_every", "noise_decay_steps"), AT_LEAST_1),
     **dict.fromkeys(("learning_starts", "anneal_lr_iterations", "ent_coef", "vf_coef", "actor_reg",
-                     "noise_start", "noise_end", "burn_in"), AT_LEAST_0),
+                     "noise_start", "noise_end", "burn_in", "reward_shaping_horizon"), AT_LEAST_0),
     **dict.fromkeys(("lr", "actor_lr", "critic_lr", "max_grad_norm", "clip_eps", "value_clip_eps",
                      "gumbel_temperature"), POSITIVE),
     **dict.fromkeys(("gamma", "td_lambda", "gae_lambda", "eps_start", "eps_end"), FRACTION),
@@ -86,9 +86,13 @@ def config_for(algo: str, overrides: dict | None = None):
     return config
 
 
-def check_env(algo: str, spec: EnvSpec) -> None:
+def check_env(algo: str, spec: EnvSpec, config=None) -> None:
     """ConfigError where `algo` cannot act in the env's action space (QMIX and its relatives
-    pick discrete actions only)."""
+    pick discrete actions only), or where its `config` asks for reward shaping on an env
+    without a shaping term."""
+    horizon = getattr(config, "reward_shaping_horizon", 0)
+    if horizon and not spec.shaped_reward:
+        raise ConfigError(mappo.SHAPING_NEEDS.format(horizon=horizon, env=spec.env_id))
     space = "discrete" if spec.discrete else "continuous"
     if space not in module_for(algo).ACTION_SPACES:
         fits = sorted(name for name, (module, _) in ALGORITHMS.items() if space in module.ACTION_SPACES)

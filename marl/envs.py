@@ -17,7 +17,9 @@ shape flattened, except a PettingZoo env's image observations ((H, W, C) uint8, 
 pz:pettingzoo.butterfly.pistonball_v6), kept whole as uint8 for a conv encoder
 (EnvSpec.obs_shape, marl.encoders); the env's global state where it has one, else the
 agents' observations concatenated (images: stacked on the channel axis); avail-action masks
-where the env gives them (SMAX, Hanabi's legal moves).
+where the env gives them (SMAX, Hanabi's legal moves); the env's shaping term beside its own
+reward where it has one (Overcooked's info["shaped_reward"]: `Timestep.shaped_reward`,
+`EnvSpec.shaped_reward`), which only a learner asked to (reward_shaping_horizon) trains on.
 Agents with different observation or action sizes are padded to the largest (JaxEnv).
 
 JAX envs are adapted to arrays: every step returns a `Timestep` whose leaves are stacked
@@ -71,6 +73,10 @@ class EnvSpec:
     # state_shape the state's where it is an image too; () = a flat float32 vector
     obs_shape: tuple[int, ...] = ()
     state_shape: tuple[int, ...] = ()
+    # the env reports a per-agent shaping term beside its reward (jaxmarl's Overcooked:
+    # info["shaped_reward"], SHAPED_REWARD): each Timestep has it, the replay stores it as
+    # `shaped_reward`, and MAPPO/IPPO train on reward + coef * it with reward_shaping_horizon
+    shaped_reward: bool = False
 
     @property
     def n_agents(self) -> int:
@@ -116,6 +122,10 @@ class Timestep(NamedTuple):
     terminated: Any  # bool, the step that led here ended the episode for real (SMAX: a side wiped out)
     truncated: Any  # bool, the step that led here ended it by a time limit (never with terminated)
     won: Any  # bool, that episode was won (SMAX); False elsewhere
+    # [agent] float32, the env's shaping term for the step that led here (zeros after a
+    # reset), where the env has one (spec.shaped_reward: Overcooked); None elsewhere. Apart
+    # from `reward`, which stays the env's own (sparse) reward: evaluation never sees it
+    shaped_reward: Any = None
 
 
 # --------------------------------------------------------------------------- JAX envs
@@ -123,6 +133,10 @@ class Timestep(NamedTuple):
 # how each jaxmarl env ends an episode for real (terminated) rather than by its time limit
 # (truncated), and what counts as a win; families not listed end only at their time limit
 TIME_LIMIT_ONLY = ("mpe", "overcooked", "overcooked_v2", "coin_game", "storm")
+# the jaxmarl envs whose step reports a shaping term beside the reward, {agent: float} in
+# info["shaped_reward"] (Overcooked: 3 per onion put in a pot, 3 per plate picked up, 5 per
+# soup picked up; the reward itself is 20 per delivered soup)
+SHAPED_REWARD = ("overcooked", "overcooked_v2")
 
 
 class JaxEnv:
@@ -146,7 +160,8 @@ class JaxEnv:
         self._low, self._high = low, high  # [agent, action_dim] bounds to rescale into, or None
         self._state_key = state_key  # the obs entry holding the global state, or None
 
-    def _timestep(self, obs: dict, env_state, reward, first, terminated, truncated, won) -> Timestep:
+    def _timestep(self, obs: dict, env_state, reward, first, terminated, truncated, won,
+                  shaped=None) -> Timestep:
         agents = self.spec.agents
         obs_arr = jnp.stack([_pad(_flat(obs[a]), self.spec.obs_dim) for a in agents])
         if self._state_key is None:
@@ -163,7 +178,7 @@ class JaxEnv:
             given = getattr(self.env, rule)(env_state)
             avail = avail & jnp.stack([given[a] for a in agents]).astype(bool)
         return Timestep(obs_arr.astype(jnp.float32), state.astype(jnp.float32), avail,
-                        reward, first, terminated, truncated, won)
+                        reward, first, terminated, truncated, won, shaped)
 
     def reset(self, key) -> tuple[Timestep, Any]:
         obs, env_state = self.env.reset(key)
@@ -172,7 +187,8 @@ class JaxEnv:
         env_state = jax.tree.map(lambda x: jnp.asarray(x, dtype=jnp.asarray(x).dtype), env_state)
         n = self.spec.n_agents
         no = jnp.array(False)
-        ts = self._timestep(obs, env_state, jnp.zeros((n,), jnp.float32), jnp.array(True), no, no, no)
+        shaped = jnp.zeros((n,), jnp.float32) if self.spec.shaped_reward else None
+        ts = self._timestep(obs, env_state, jnp.zeros((n,), jnp.float32), jnp.array(True), no, no, no, shaped)
         return ts, env_state
 
     def env_actions(self, actions) -> dict:
@@ -196,13 +212,16 @@ class JaxEnv:
         obs, next_state, reward, dones, info = self.env.step_env(key_step, env_state, self.env_actions(actions))
         done = jnp.asarray(dones["__all__"], bool)
         reward = jnp.stack([jnp.asarray(reward[a], jnp.float32) for a in self.spec.agents])
+        shaped = None
+        if self.spec.shaped_reward:
+            shaped = jnp.stack([jnp.asarray(info["shaped_reward"][a], jnp.float32) for a in self.spec.agents])
         real, won = self._ended(next_state, actions, reward, info)
         terminated = done & real
         obs_re, state_re = self.env.reset(key_reset)
         next_state = jax.tree.map(lambda r, s: jnp.where(done, r, s), state_re, next_state)
         obs = jax.tree.map(lambda r, s: jnp.where(done, r, s), obs_re, obs)
         return self._timestep(obs, next_state, reward, done, terminated, done & ~terminated,
-                              done & won), next_state
+                              done & won, shaped), next_state
 
     def _ended(self, env_state, actions, reward, info):
         """(whether an episode that ended here ended for real, whether it was won), by the
@@ -494,7 +513,7 @@ def _adapt(env, env_id: str, family: str) -> JaxEnv:
         discrete=layout["discrete"], n_actions=layout["n_actions"], action_dim=layout["action_dim"],
         action_low=layout["action_low"], action_high=layout["action_high"],
         has_avail_actions=bool(family in ("smax", "hanabi") or not layout["mask"].all()),
-        episode_limit=_episode_limit(env, family), backend="jax")
+        episode_limit=_episode_limit(env, family), backend="jax", shaped_reward=family in SHAPED_REWARD)
     adapted = JaxEnv(env, spec, family, act_sizes=layout["sizes"], mask=layout["mask"],
                      nvec=layout["nvec"], low=layout["low"], high=layout["high"], state_key=state_key)
     if family == "smax":

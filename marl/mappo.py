@@ -21,6 +21,14 @@ when recurrent) beside each step, and the train stage hands exactly those region
 `train`, which runs `epochs` x `minibatches` clipped-surrogate updates over envs. Values
 are recomputed at train time with the current critic, which is the critic that acted:
 the train stage runs right after the collect, with the same parameters.
+
+Reward shaping (`reward_shaping_horizon` > 0, as JaxMARL's IPPO on Overcooked): where the env
+has a shaping term (EnvSpec.shaped_reward; the store's `shaped_reward` beside the sparse
+`reward`), the advantages and value targets are of reward + coef * shaped_reward, coef
+falling linearly from 1 to 0 over that many env steps (per seed). A train call takes coef at
+the env steps collected before its regions (train calls done x env steps per call), the
+value JaxMARL uses for the update that collected them. Collection, its training return and
+every evaluation stay on the env's own reward; 0 (the default) trains on `reward` alone.
 """
 
 from __future__ import annotations
@@ -59,9 +67,14 @@ class Config:
     epochs: int = 4  # passes over each collected batch
     minibatches: int = 4  # per epoch, split over envs (must divide envs x collectors)
     log_std_init: float = 0.0  # continuous actions: initial log standard deviation
+    # train on reward + coef * the env's shaping term (envs with EnvSpec.shaped_reward:
+    # Overcooked), coef falling linearly 1 -> 0 over this many env steps (per seed); 0: off
+    reward_shaping_horizon: int = 0
 
 
 CRITICS = ("central", "local")
+SHAPING_NEEDS = ("reward_shaping_horizon={horizon} needs an env with a shaping term beside its reward "
+                 "(jaxmarl:overcooked, jaxmarl:overcooked_v2) and {env} has none; drop the setting")
 ACTION_SPACES = ("discrete", "continuous")
 ACTIVATIONS = {"tanh": nn.tanh, "relu": nn.relu}
 MASKED = -1e9  # logit of an unavailable action: probability exactly 0 in float32, no NaN
@@ -188,6 +201,15 @@ def gae(reward, terminated, cut, value, gamma: float, lam: float):
     return adv, adv + value[:, :-1]
 
 
+# ---------------------------------------------------------------------- reward shaping
+
+
+def reward_shaping(horizon: int):
+    """env steps -> the shaping coefficient: 1 at 0 steps, falling linearly to 0 at `horizon`
+    and 0 after it (JaxMARL's IPPO anneals Overcooked's shaped reward so, over 2.5M steps)."""
+    return optax.linear_schedule(init_value=1.0, end_value=0.0, transition_steps=horizon)
+
+
 # ---------------------------------------------------------------------------- learner
 
 
@@ -197,6 +219,9 @@ def make_learner(spec: EnvSpec, config: Config):
                          "(central = MAPPO, local = IPPO)")
     if config.activation not in ACTIVATIONS:
         raise ValueError(f"unknown activation {config.activation!r}; valid: {', '.join(ACTIVATIONS)}")
+    if config.reward_shaping_horizon > 0 and not spec.shaped_reward:
+        raise ValueError(SHAPING_NEEDS.format(horizon=config.reward_shaping_horizon, env=spec.env_id))
+    shaping = reward_shaping(config.reward_shaping_horizon) if config.reward_shaping_horizon > 0 else None
     n_agents, discrete = spec.n_agents, spec.discrete
     n_out = spec.n_actions if discrete else spec.action_dim
     actor = Actor(config.hidden, n_out, config.activation, config.recurrent, not discrete,
@@ -314,8 +339,9 @@ def make_learner(spec: EnvSpec, config: Config):
 
     # ------------------------------------------------------------------------ loss
 
-    def prepare(old_params, batch):
-        """Advantages and value targets of sequences [B, T] with the critic that acted.
+    def prepare(old_params, batch, shaping_coef=None):
+        """Advantages and value targets of sequences [B, T] with the critic that acted, of
+        the env's reward plus `shaping_coef` x its shaping term where shaping is on.
 
         The last step of each sequence has no next observation here (it is the first
         step of the next region), so its transition is dropped from the loss and its
@@ -323,7 +349,10 @@ def make_learner(spec: EnvSpec, config: Config):
         out the cut steps too (a time limit, a restart), which have no target."""
         value = jax.lax.stop_gradient(values(old_params["critic"], batch))  # [B, T, agent]
         cut = transition.cut(batch)
-        adv, targets = gae(batch["reward"][:, :-1], batch["terminated"][:, :-1], cut, value,
+        reward = batch["reward"]
+        if shaping is not None:
+            reward = reward + shaping_coef * batch["shaped_reward"]
+        adv, targets = gae(reward[:, :-1], batch["terminated"][:, :-1], cut, value,
                            config.gamma, config.gae_lambda)
         return {**batch, "advantage": adv, "target": targets, "value_old": value[:, :-1],
                 "weight": (~cut).astype(jnp.float32)}
@@ -353,10 +382,11 @@ def make_learner(spec: EnvSpec, config: Config):
                       "entropy": entropy, "approx_kl": mean((ratio - 1.0) - log_ratio),
                       "clip_frac": mean(jnp.abs(ratio - 1.0) > config.clip_eps)}
 
-    def loss_fn(params, old_params, batch):
+    def loss_fn(params, old_params, batch, shaping_coef=0.0):
         """The PPO loss of `params` on sequences that `old_params` collected (they give the
-        advantages and the values to clip around, like QMIX's target params)."""
-        return ppo_loss(params, prepare(old_params, batch))
+        advantages and the values to clip around, like QMIX's target params); with shaping
+        on, of reward + shaping_coef x the shaping term."""
+        return ppo_loss(params, prepare(old_params, batch, shaping_coef))
 
     def update(train_state, batch):
         """One gradient step on a prepared minibatch; actor and critic have their own
@@ -385,7 +415,12 @@ def make_learner(spec: EnvSpec, config: Config):
         """One PPO update on the regions the last collect wrote: `epochs` passes, each over
         `minibatches` random splits of the envs. (`ring` is unused and `n_updates` is the
         number of regions: an on-policy learner trains on all of them once.)"""
-        batch = prepare(train_state["params"], sequences(arrays))
+        if shaping is None:  # the shaping term is not trained on: the update is as without it
+            arrays = {k: v for k, v in arrays.items() if k != "shaped_reward"}
+            shaping_coef = None
+        else:
+            shaping_coef = shaping_coefficient(train_state, arrays)
+        batch = prepare(train_state["params"], sequences(arrays), shaping_coef)
         n_seq = batch["obs"].shape[0]
         if n_seq % config.minibatches:
             raise ValueError(f"minibatches={config.minibatches} does not divide the {n_seq} env "
@@ -404,7 +439,17 @@ def make_learner(spec: EnvSpec, config: Config):
         metrics = jax.tree.map(jnp.mean, metrics)
         metrics["value"] = batch["value_old"].mean()
         metrics["lr"] = jnp.asarray(lr_schedule(train_state["updates"]), jnp.float32)
+        if shaping is not None:
+            metrics["shaping_coef"] = jnp.asarray(shaping_coef, jnp.float32)
         return train_state, metrics
+
+    def shaping_coefficient(train_state, arrays):
+        """The shaping coefficient for regions [R, T, N, ...] at the env steps collected
+        before them: the train calls done so far (each runs epochs x minibatches updates) x
+        the R x T x N env steps of a call, the count the pipeline's env_steps keeps."""
+        steps_per_call = math.prod(arrays["reward"].shape[:3])
+        calls_done = (train_state["updates"] // updates_per_call).astype(jnp.float32)
+        return shaping(calls_done * steps_per_call)
 
     # ----------------------------------------------------------------------- score
 

@@ -85,7 +85,8 @@ def make_transition(ts: Timestep, actions, next_ts: Timestep, extras: dict) -> T
     """The transition of step t: what was seen (`ts`) and done there, and what it led to."""
     return Transition(obs=ts.obs, state=ts.state, avail_actions=ts.avail_actions, action=actions,
                       reward=next_ts.reward, first=ts.first, terminated=next_ts.terminated,
-                      truncated=next_ts.truncated, won=next_ts.won, extras=extras)
+                      truncated=next_ts.truncated, won=next_ts.won, extras=extras,
+                      shaped_reward=next_ts.shaped_reward)
 
 
 def episode_stats(transition: Transition, ep_return, ep_length, xp=jnp) -> dict:

@@ -573,7 +573,8 @@ def team_spec(spec: EnvSpec, team) -> EnvSpec:
 
 
 # where each transition field keeps its agent axis (counted from the end) and the width after it
-_AGENT_FIELDS = {"obs": (2, "obs_dim"), "avail_actions": (2, "mask"), "reward": (1, None)}
+_AGENT_FIELDS = {"obs": (2, "obs_dim"), "avail_actions": (2, "mask"), "reward": (1, None),
+                 "shaped_reward": (1, None)}
 
 
 def team_learners(make_one, algo: str, spec: EnvSpec, config):

@@ -40,6 +40,11 @@ Fields (A = spec.n_agents):
                    with `terminated`
     won            bool, dims (): the step taken at t won the episode (SMAX: the enemies are
                    all dead and an ally is alive); False elsewhere
+    shaped_reward  [A] float32, dims (agent,), only where the env has a shaping term
+                   (spec.shaped_reward: jaxmarl's Overcooked, its info["shaped_reward"]): each
+                   agent's shaping term for the step taken at t, beside the env's own `reward`,
+                   which it never changes (a learner adds it with reward_shaping_horizon);
+                   None, and not stored, for every other env (OPTIONAL)
     extras         {name: array}: the learner's per-step extras, as its `act` returned them
                    (e.g. MAPPO's behaviour log-probability `logp` [A] float32), named, shaped
                    and typed by its `Learner.extra_fields`; stored flat beside the others
@@ -73,11 +78,14 @@ class Transition(NamedTuple):
     truncated: Any
     won: Any
     extras: Any  # dict name -> array, the learner's per-step extras
+    shaped_reward: Any = None  # [A], where the env has it (OPTIONAL); None elsewhere
 
 
 EXTRAS = "extras"
-# the fields stored under their own name (extras are stored under theirs)
-FIELDS = tuple(f for f in Transition._fields if f != EXTRAS)
+# fields that exist only for some envs: None in a Transition and left out of the store elsewhere
+OPTIONAL = ("shaped_reward",)
+# the fields every store holds under their own name (extras are stored under theirs)
+FIELDS = tuple(f for f in Transition._fields if f != EXTRAS and f not in OPTIONAL)
 
 
 def _dims(name: str, image_shape: tuple[int, ...]) -> tuple[str, ...]:
@@ -87,7 +95,8 @@ def _dims(name: str, image_shape: tuple[int, ...]) -> tuple[str, ...]:
 
 
 def _schema(spec: EnvSpec) -> Transition:
-    """Each field's (shape, dtype, dims) for one env spec, as a Transition."""
+    """Each field's (shape, dtype, dims) for one env spec, as a Transition (None: an
+    OPTIONAL field this env does not have)."""
     a = spec.n_agents
     flag: FieldSpec = ((), "bool", ())
     if spec.discrete:
@@ -106,27 +115,29 @@ def _schema(spec: EnvSpec) -> Transition:
         truncated=flag,
         won=flag,
         extras={},
+        shaped_reward=((a,), "float32", ("agent",)) if spec.shaped_reward else None,
     )
 
 
 def store_fields(spec: EnvSpec, extra_fields: Mapping[str, FieldSpec]) -> dict[str, FieldSpec]:
     """The replay schema: name -> (shape per env, dtype, dims) of every Transition field for
     `spec`, then the learner's `extra_fields`, in the order the store lists them."""
-    fields = {name: value for name, value in zip(Transition._fields, _schema(spec)) if name != EXTRAS}
+    fields = {name: value for name, value in zip(Transition._fields, _schema(spec))
+              if name != EXTRAS and value is not None}
     for name, (shape, dtype, dims) in extra_fields.items():
-        if name in fields or name == EXTRAS:
+        if name in Transition._fields:
             raise ValueError(f"learner extra field {name!r} has the name of a transition field; "
-                             f"rename it (transition fields: {', '.join(FIELDS)})")
+                             f"rename it (transition fields: {', '.join(FIELDS + OPTIONAL)})")
         fields[name] = (tuple(shape), str(dtype), tuple(dims))
     return fields
 
 
 def to_record(transition: Transition) -> dict:
     """A Transition -> the flat {name: array} dict the store writes and the learners read
-    (extras flattened under their own names)."""
-    record = transition._asdict()
+    (extras flattened under their own names; an OPTIONAL field that is None left out)."""
+    record = {k: v for k, v in transition._asdict().items() if not (k in OPTIONAL and v is None)}
     extras = record.pop(EXTRAS) or {}
-    clash = sorted(set(extras) & set(record))
+    clash = sorted(set(extras) & set(Transition._fields))
     if clash:
         raise ValueError(f"extras {clash} have the names of transition fields; rename them")
     return {**record, **extras}
@@ -135,7 +146,8 @@ def to_record(transition: Transition) -> dict:
 def from_record(record: Mapping) -> Transition:
     """The inverse of `to_record`: every key that is not a Transition field is an extra."""
     return Transition(**{name: record[name] for name in FIELDS},
-                      extras={k: v for k, v in record.items() if k not in FIELDS})
+                      **{name: record.get(name) for name in OPTIONAL},
+                      extras={k: v for k, v in record.items() if k not in Transition._fields})
 
 
 def done(batch):

@@ -198,6 +198,11 @@ def _collect_into_a_store(tmp_path, env_id, env_kwargs, preset, algo, train=Fals
     else:
         assert action.shape == (T, N, A, spec.action_dim)
         assert (action >= spec.action_low).all() and (action <= spec.action_high).all()
+    if spec.shaped_reward:  # Overcooked: the env's shaping term, stored beside the sparse reward
+        shaped = data["shaped_reward"]
+        assert shaped.shape == (T, N, A) and shaped.dtype == np.float32 and (shaped >= 0).all()
+    else:
+        assert "shaped_reward" not in data
     _check_flags(data["first"], data["terminated"], data["truncated"])
     ended = data["terminated"] | data["truncated"]
     if any(k in env_id for k in TIME_LIMIT_ONLY):
@@ -218,6 +223,21 @@ def test_a_tiny_collect_into_a_real_store(tmp_path, env_id, env_kwargs, preset, 
         assert (data["obs"][..., speaker, 3:] == 0).all()
     if env_id == "jaxmarl:hanabi":  # only the player to move has more than the one legal no-op
         assert (data["avail_actions"].sum(-1) > 1).sum(-1).max() == 1
+    assert spec.shaped_reward == (env_id == "jaxmarl:overcooked")
+
+
+def test_overcooked_gives_its_shaped_reward_to_the_agent_that_earned_it():
+    """cramped_room: agent_0 takes an onion from the pile on its left and puts it in the pot
+    (3, jaxmarl's PLACEMENT_IN_POT_REW) while agent_1 stays; the sparse reward stays 0."""
+    env = envs.make("jaxmarl:overcooked", layout="cramped_room")
+    step = jax.jit(env.step)
+    ts, state = env.reset(jax.random.PRNGKey(0))
+    np.testing.assert_array_equal(ts.shaped_reward, [0.0, 0.0])
+    left, interact, right, up, stay = 3, 5, 2, 0, 4  # jaxmarl Overcooked's action_set order
+    for i, action in enumerate([left, interact, right, up, interact]):
+        ts, state = step(jax.random.PRNGKey(i), state, jnp.array([action, stay]))
+    np.testing.assert_array_equal(ts.shaped_reward, [3.0, 0.0])
+    np.testing.assert_array_equal(ts.reward, [0.0, 0.0])
 
 
 @all_envs

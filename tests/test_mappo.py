@@ -1,6 +1,7 @@
 """MAPPO/IPPO (marl/mappo.py): GAE, masking, bounds, an update, the stored hidden state, and
 a tiny run through the real pipeline (Prefect flow, LocalCluster, Zarr store, orbax)."""
 
+import dataclasses
 import os
 
 import jax
@@ -115,6 +116,34 @@ def test_one_update_on_a_fixed_batch_lowers_its_loss(which, request):
     assert 0.0 < float(metrics["approx_kl"]) < 0.1, "the policy moved by an unreasonable amount"
     changed = jax.tree.map(lambda a, b: bool(jnp.any(a != b)), old, new_state["params"])
     assert all(jax.tree.leaves(changed))
+
+
+def test_the_reward_shaping_coefficient_falls_linearly_over_its_horizon():
+    coef = mappo.reward_shaping(2_500_000)  # JaxMARL's REW_SHAPING_HORIZON for Overcooked
+    for env_steps, want in [(0, 1.0), (625_000, 0.75), (1_250_000, 0.5), (2_500_000, 0.0), (5_000_000, 0.0)]:
+        assert float(coef(env_steps)) == pytest.approx(want, abs=1e-6)
+
+
+def test_reward_shaping_off_trains_as_before_and_on_adds_the_annealed_shaped_term(feed_forward):
+    env, learner, state, data, _ = feed_forward  # 8 envs x 32 steps: 256 env steps per call
+    same = lambda a, b: all(bool(jnp.all(x == y)) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+    shaped = {**data, "shaped_reward": jnp.full_like(data["reward"], 3.0)}
+    ring = jnp.ones(1, bool)
+    plain, metrics = learner.train(state, region(data), ring, 1)
+    assert "shaping_coef" not in metrics
+    # horizon 0 (the default): a stored shaping term is not read, the update is bit for bit the same
+    assert same(learner.train(state, region(shaped), ring, 1)[0], plain)
+    config = dataclasses.replace(learner.config, reward_shaping_horizon=1024)
+    on = mappo.make_learner(dataclasses.replace(env.spec, shaped_reward=True), config)
+    zero, metrics = on.train(state, region({**data, "shaped_reward": jnp.zeros_like(data["reward"])}), ring, 1)
+    assert float(metrics["shaping_coef"]) == 1.0 and same(zero, plain)  # reward + 1 x 0
+    moved, _ = on.train(state, region(shaped), ring, 1)
+    assert not same(moved["params"], plain["params"])
+    _, metrics = on.train(moved, region(shaped), ring, 1)  # after 256 of the 1024 env steps
+    assert float(metrics["shaping_coef"]) == pytest.approx(0.75)
+    for refuse in (lambda: mappo.make_learner(env.spec, config), lambda: algos.check_env("mappo", env.spec, config)):
+        with pytest.raises(ValueError, match="needs an env with a shaping term.*mpe:simple_spread has none"):
+            refuse()
 
 
 def test_recurrent_actor_replays_the_behaviour_log_probs_from_stored_memory(recurrent):
