@@ -15,7 +15,10 @@ Figures (env-step budgets are for a shared 2-core CPU; see BENCHMARKS.md):
                     for the two good agents) on continuous-action mpe:simple_adversary,
                     the maddpg-mpe preset's settings.
   overcooked        IPPO on jaxmarl:overcooked, layout cramped_room, JaxMARL's
-                    ippo_ff_overcooked settings where our learner has them.
+                    ippo_ff_overcooked settings where our learner has them, its shaped
+                    reward too (reward_shaping_horizon 2.5M: trained on reward + coef x
+                    the env's shaping term, coef 1 -> 0 over 2.5M env steps; evaluated
+                    on the sparse reward).
   hanabi            MAPPO on jaxmarl:hanabi (2 players), JaxMARL's MAPPO-Hanabi settings
                     scaled down to the budget.
 
@@ -112,12 +115,14 @@ def _figures(args) -> dict:
                 ("IPPO, jaxmarl:overcooked cramped_room", "ippo-mpe", "jaxmarl:overcooked",
                  args.env_steps or 5_000_000,
                  # JaxMARL ippo_ff_overcooked.yaml: 16 envs x 128 steps, lr 2.5e-4 annealed,
-                 # tanh, 4 epochs x 4 minibatches, clip 0.2, ent 0.01, grad-norm 0.5, 5M steps;
-                 # 32 envs here (fewer, larger updates: the pipeline pays per update), lr constant
+                 # tanh, 4 epochs x 4 minibatches, clip 0.2, ent 0.01, grad-norm 0.5, 5M steps,
+                 # REW_SHAPING_HORIZON 2.5M (ippo_ff_overcooked.py: reward + coef x
+                 # info["shaped_reward"], coef linear 1 -> 0); 32 envs here (fewer, larger
+                 # updates: the pipeline pays per update), lr constant
                  {"env_kwargs": json.dumps({"layout": "cramped_room"}), "envs_per_collector": "32",
                   "steps_per_region": "128", "buffer_transitions": "8192", "hidden": "64",
                   "activation": "tanh", "lr": "2.5e-4", "epochs": "4", "minibatches": "4",
-                  "anneal_lr_iterations": "0", "eval_episodes": "32"}),
+                  "anneal_lr_iterations": "0", "eval_episodes": "32", "reward_shaping_horizon": "2500000"}),
             ],
             "metric": "test_return", "ylabel": "greedy test return (sparse: 20 per soup, 400 steps)",
         },
