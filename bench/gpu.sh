@@ -1,24 +1,28 @@
 #!/usr/bin/env bash
 # The device check of the GPU-path issue (16) as one prepared script, run from the repo root
-# on the device machine as-is (see ../shared/notes/gpu.md for that machine):
+# on the device machine as-is, a GPU (dask-cuda) or a TPU (a threads cluster: one process
+# holds the chip, so the learner and the collectors are Dask workers as threads of it):
 #
-#   bash bench/gpu.sh                     # the device tool's call, with carry [".whl"]
+#   bash bench/gpu.sh          # the device tool's call, with carry [".whl"] or [".whl-tpu"]
 #
-# It installs what the machine lacks from the wheels carried in .whl/ (ignored by git), then
-# measures, most important first, each part under its own time limit inside one overall
-# budget (parts the budget no longer covers are skipped and say so): disk MB/s (dd,
-# fdatasync); store region write MB/s against raw tofile + fsync of the same bytes
-# (bench/write_throughput.py); plain rollout vs the collect stage at N = 65,536 / 1,024 /
-# 8,192 (bench/collect_throughput.py, serial and streamed); the whole MAPPO loop through
-# the stages vs the plain fused loop; learner updates/s per preset; the QMIX and MADDPG
-# loops (bench/gpu_check.py). Measured on CPU (GPU_CHECK_SIZE=small): 289 s end to end. Results go to $OUT as three files, appended as
+# It installs what the machine lacks from the wheels carried in .whl/ or .whl-tpu/ (ignored
+# by git; ../shared/notes/gpu.md and BENCHMARKS.md say which), then measures, most important
+# first, each part under its own time limit inside one overall budget (parts the budget no
+# longer covers are skipped and say so): disk MB/s (dd, fdatasync); store region write MB/s
+# against raw tofile + fsync of the same bytes (bench/write_throughput.py); plain rollout vs
+# the collect stage at N = 65,536 / 1,024 / 8,192 (bench/collect_throughput.py, serial and
+# streamed); the whole MAPPO loop through the stages vs the plain fused loop; learner
+# updates/s per preset; the QMIX and MADDPG loops (bench/gpu_check.py). Measured on CPU
+# (GPU_CHECK_SIZE=small): 289 s end to end. Results go to $OUT as three files, appended as
 # they are measured: rows.jsonl (every row, tagged with its part), tables.md, log.txt (the
 # benchmarks' own json/md/png go to $GPU_CHECK_DIR/gpu-check-results, never to bench/results).
 #
 # Knobs (environment): OUT (default ./gpu-check-out), GPU_CHECK_SIZE=full|small (small: tiny
 # sizes for a CPU dry run: CUDA_VISIBLE_DEVICES= GPU_CHECK_SIZE=small bash bench/gpu.sh),
 # GPU_CHECK_BUDGET_S (default 360 full, 600 small), GPU_CHECK_LOOPS (default "mappo qmix
-# maddpg"), PYTHON (default python3), GPU_CHECK_DIR (where stores are written, default $TMPDIR or /tmp).
+# maddpg"), GPU_CHECK_PARTS (default "write collect loops learners"), GPU_CHECK_COLLECT (the N
+# to run, default all), GPU_CHECK_LAGS (default "0 1"), PYTHON (default python3), GPU_CHECK_DIR
+# (where stores are written, default $TMPDIR or /tmp).
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu-check-out}
@@ -26,6 +30,9 @@ SIZE=${GPU_CHECK_SIZE:-full}
 PY=${PYTHON:-python3}
 DIR=${GPU_CHECK_DIR:-${TMPDIR:-/tmp}}
 LOOPS=${GPU_CHECK_LOOPS:-mappo qmix maddpg}
+PARTS=${GPU_CHECK_PARTS:-write collect loops learners}   # which parts run (a rerun names the ones left)
+COLLECT_N=${GPU_CHECK_COLLECT:-}   # the collect sizes N to run (default: all of the size's)
+LAGS=${GPU_CHECK_LAGS:-0 1}   # max_policy_lag of each stages run of a loop
 mkdir -p "$OUT" "$DIR"
 LOG="$OUT/log.txt"
 TABLES="$OUT/tables.md"
@@ -41,8 +48,8 @@ case "$SIZE" in
   full)
     BUDGET=${GPU_CHECK_BUDGET_S:-360}
     DD_MB=2048
-    WRITE=(--sizes 8192x32 65536x16 --repeats 3 2 --variants "store (zstd 0, fsync)" "zstd 0, no fsync" "zstd 1, fsync"
-           "blosc lz4 no shuffle, fsync" "none, fsync" "previous (zstd 0, 1 chunk, scan, no fsync)")
+    WRITE=(--sizes 8192x32 65536x16 --repeats 3 2 --variants "store (zstd 0, fsync)" "zstd 1, fsync"
+           "blosc lz4 no shuffle, fsync" "none, fsync")
     COLLECT=("65536 16 2" "1024 32 8" "8192 32 4")   # envs, steps per region, repeats; the target's N first
     LEARN_S=5
     declare -A LOOP_STEPS=([mappo]=1000000 [qmix]=102400 [maddpg]=100000) ;;
@@ -68,6 +75,8 @@ part() {
   if (( limit < 10 )); then
     echo "| $name | skipped: budget spent |" >> "$OUT/status.md.tmp"; return
   fi
+  # a TPU chip can refuse a program started just after another let it go
+  [ -n "${TPU:-}" ] && sleep 4
   echo "=== $name (limit ${limit}s, $(date -u +%H:%M:%S)) ===" >> "$LOG"
   local t0; t0=$(date +%s)
   timeout --kill-after=10 "$limit" "$@" >> "$LOG" 2>&1
@@ -83,17 +92,27 @@ part() {
 
 # ---------------------------------------------------------------- what the machine lacks
 if ! "$PY" -c "import zarr, numcodecs, dask, distributed, jaxmarl" 2>/dev/null; then
-  if ls .whl/*.whl > /dev/null 2>&1; then
-    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl >> "$LOG" 2>&1
-    export PYTHONPATH=/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}
+  WHEELS=$(ls -d .whl .whl-tpu 2>/dev/null | head -1)
+  if [ -n "$WHEELS" ] && ls "$WHEELS"/*.whl > /dev/null 2>&1; then
+    # none of the wheels is JAX: the machine's own JAX (and its accelerator plugin) stays
+    PIP_CONFIG_FILE=/dev/null "$PY" -m pip install -q --isolated --no-index --no-deps --no-compile \
+      --no-cache-dir --upgrade --target /tmp/site "$WHEELS"/*.whl >> "$LOG" 2>&1 || { echo "wheel install failed, see $LOG" >&2; exit 2; }
+    export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}:/tmp/site
+    # the plots only; a TPU machine's own index has matplotlib (kept out of .whl-tpu for size)
+    if ! "$PY" -c "import matplotlib" 2>/dev/null && [ -d /opt/pypi/simple ]; then
+      PIP_CONFIG_FILE=/dev/null "$PY" -m pip install -q --isolated --only-binary=:all: \
+        --index-url file:///opt/pypi/simple --target /tmp/site-mpl matplotlib >> "$LOG" 2>&1 \
+        && export PYTHONPATH=$PYTHONPATH:/tmp/site-mpl
+    fi
   else
-    echo "zarr/dask/jaxmarl are missing and there is no .whl/ folder to install them from" | tee -a "$LOG" >&2
+    echo "zarr/dask/jaxmarl are missing and there is no .whl/ or .whl-tpu/ folder to install them from" | tee -a "$LOG" >&2
     exit 2
   fi
 else
   export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 fi
 
+TPU=$("$PY" -c "from pipelines.cluster import tpu_count; print(tpu_count() or '')" 2>/dev/null)
 {
   echo '```'
   if command -v nvidia-smi > /dev/null; then
@@ -104,22 +123,28 @@ fi
   echo "cpus $(nproc), $(free -g | awk '/Mem:/ {print $2 " GiB memory"}')"
   "$PY" - <<'EOF' 2>&1 | grep -v -i "submodule"
 import sys, jax, zarr, numcodecs, dask, distributed
-from pipelines.cluster import gpu_count
+from pipelines.cluster import can_listen, gpu_count, tpu_count
 print("python", sys.version.split()[0], "jax", jax.__version__, "devices", jax.devices(),
       "zarr", zarr.__version__, "numcodecs", numcodecs.__version__, "dask", dask.__version__,
-      "gpu_count", gpu_count())
+      "gpu_count", gpu_count(), "tpu_count", tpu_count(), "tcp listen", can_listen())
 EOF
+  echo "filesystem of $DIR: $(df -hT "$DIR" | tail -1)"
   echo "disk ($DIR): $(dd if=/dev/zero of="$DIR/gpu-check-dd" bs=1M count=$DD_MB conv=fdatasync 2>&1 | tail -1)"
   rm -f "$DIR/gpu-check-dd"
   echo '```'
 } >> "$TABLES" 2>&1
 
 # ---------------------------------------------------------------- the parts
-part write_throughput 100 "$PY" bench/write_throughput.py "${WRITE[@]}" --dir "$DIR" --out "$OUT"
-[ -f "$RESULTS/write_throughput.md" ] && { echo; echo "### write_throughput"; echo; cat "$RESULTS/write_throughput.md"; } >> "$TABLES"
+wanted() { [[ " $PARTS " == *" $1 "* ]]; }
+
+if wanted write; then
+  part write_throughput 100 "$PY" bench/write_throughput.py "${WRITE[@]}" --dir "$DIR" --out "$OUT"
+  [ -f "$RESULTS/write_throughput.md" ] && { echo; echo "### write_throughput"; echo; cat "$RESULTS/write_throughput.md"; } >> "$TABLES"
+fi
 
 for spec in "${COLLECT[@]}"; do
   read -r n t r <<< "$spec"
+  wanted collect && [[ -z "$COLLECT_N" || " $COLLECT_N " == *" $n "* ]] || continue
   part "collect_throughput N=$n" 120 "$PY" bench/collect_throughput.py --envs "$n" --steps "$t" --repeats "$r" --out "$OUT"
   [ -f "$RESULTS/collect_throughput.md" ] && { echo; echo "### collect_throughput N=$n"; echo; cat "$RESULTS/collect_throughput.md"; } >> "$TABLES"
   rm -f "$RESULTS/collect_throughput.md"
@@ -127,10 +152,12 @@ done
 
 # MAPPO's loop first (the issue's >= 0.8x target), then learner updates/s, then the others
 first=${LOOPS%% *}
-part "loop $first" 150 "$PY" bench/gpu_check.py loop --out "$OUT" --algo "$first" --env-steps "${LOOP_STEPS[$first]}"
-part learners 90 "$PY" bench/gpu_check.py learners --out "$OUT" --seconds "$LEARN_S"
+wanted loops && [ -n "$first" ] && part "loop $first" 200 "$PY" bench/gpu_check.py loop --out "$OUT" --algo "$first" \
+  --env-steps "${LOOP_STEPS[$first]}" --lags $LAGS
+wanted learners && part learners 90 "$PY" bench/gpu_check.py learners --out "$OUT" --seconds "$LEARN_S"
 for algo in ${LOOPS#"$first"}; do
-  part "loop $algo" 150 "$PY" bench/gpu_check.py loop --out "$OUT" --algo "$algo" --env-steps "${LOOP_STEPS[$algo]}"
+  wanted loops && part "loop $algo" 200 "$PY" bench/gpu_check.py loop --out "$OUT" --algo "$algo" \
+    --env-steps "${LOOP_STEPS[$algo]}" --lags $LAGS
 done
 
 {

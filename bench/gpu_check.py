@@ -4,7 +4,7 @@ stages on a Dask cluster (pipelines.dataflow, K = 0) against the plain fused loo
 same learner in one process (bench/dataflow.py's plain_loop), same env-step budget.
 
     python bench/gpu_check.py learners --out DIR [--presets qmix-smac mappo-mpe maddpg-mpe] [--seconds 5]
-    python bench/gpu_check.py loop --out DIR --algo mappo [--env-steps 1000000] [--overrides k=v ...]
+    python bench/gpu_check.py loop --out DIR --algo mappo [--env-steps 1000000] [--lags 0 1] [--overrides k=v ...]
 
 Each row is appended to DIR/rows.jsonl and DIR/tables.md as soon as it is measured, so a
 run cut short by its time limit keeps what finished.
@@ -93,9 +93,10 @@ def learners(out: str, presets: list[str], seconds: float):
              ["preset", "device", "updates_per_call", "compile_s", "updates_per_s", "env_steps_consumed_per_s"])
 
 
-def loop(out: str, algo: str, env_steps: int, overrides: dict, n_workers: int):
+def loop(out: str, algo: str, env_steps: int, overrides: dict, n_workers: int, lags: list[int]):
     """The plain fused loop, then the stages on a Dask cluster (dask-cuda where a GPU is
-    visible), same preset, seed and budget; steady-state env steps/s of each."""
+    visible, worker threads of this process where a TPU is) at each max_policy_lag in `lags`,
+    same preset, seed and budget; steady-state env steps/s of each."""
     from distributed import Client
 
     import dataflow as bench_dataflow  # bench/dataflow.py
@@ -112,23 +113,25 @@ def loop(out: str, algo: str, env_steps: int, overrides: dict, n_workers: int):
     emit(out, "loop", {"algo": algo, "setting": "plain", **plain, "x_plain": 1.0,
                        "total_wall_s": time.perf_counter() - started}, columns)
 
-    run_dir = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"gpu-check-{algo}")
-    shutil.rmtree(run_dir, ignore_errors=True)
-    config = make_run_config(preset, run_dir=run_dir, total_env_steps=env_steps, seed=0, overrides=overrides)
-    started = time.perf_counter()
-    with make_cluster(n_workers=n_workers, kind="auto", dashboard_address="127.0.0.1:0") as cluster, \
-            Client(cluster) as client:
-        start = client.submit(stages.prepare_run, config.to_dict(), pure=False).result()
-        flow = Dataflow(client, config, start, Placement.on(client, config))
-        rows, began = [], time.perf_counter()
-        flow.run(lambda row: rows.append({**row, "wall_s": time.perf_counter() - began}))
-        summary = flow.summary()
-    piped = bench_dataflow.steady(rows)
-    emit(out, "loop", {"algo": algo, "setting": f"stages K={config.max_policy_lag} ({len(flow.where.collectors)} collector)",
-                       **piped, "x_plain": piped["env_steps_per_s"] / max(plain["env_steps_per_s"], 1e-9),
-                       "breakdown_s": {k: round(v, 2) for k, v in summary["breakdown_s"].items()},
-                       "total_wall_s": time.perf_counter() - started}, columns)
-    shutil.rmtree(run_dir, ignore_errors=True)
+    for lag in lags:
+        run_dir = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"gpu-check-{algo}")
+        shutil.rmtree(run_dir, ignore_errors=True)
+        config = make_run_config(preset, run_dir=run_dir, total_env_steps=env_steps, seed=0,
+                                 overrides={**overrides, "max_policy_lag": lag})
+        started = time.perf_counter()
+        with make_cluster(n_workers=n_workers, kind="auto", dashboard_address="127.0.0.1:0") as cluster, \
+                Client(cluster) as client:
+            start = client.submit(stages.prepare_run, config.to_dict(), pure=False).result()
+            flow = Dataflow(client, config, start, Placement.on(client, config))
+            rows, began = [], time.perf_counter()
+            flow.run(lambda row: rows.append({**row, "wall_s": time.perf_counter() - began}))
+            summary = flow.summary()
+        piped = bench_dataflow.steady(rows)
+        emit(out, "loop", {"algo": algo, "setting": f"stages K={lag} ({len(flow.where.collectors)} collector)",
+                           **piped, "x_plain": piped["env_steps_per_s"] / max(plain["env_steps_per_s"], 1e-9),
+                           "breakdown_s": {k: round(v, 2) for k, v in summary["breakdown_s"].items()},
+                           "total_wall_s": time.perf_counter() - started}, columns)
+        shutil.rmtree(run_dir, ignore_errors=True)
 
 
 def main():
@@ -144,6 +147,7 @@ def main():
     p.add_argument("--env-steps", type=int, default=None, help="default: bench/dataflow.py's budget")
     p.add_argument("--overrides", nargs="*", default=[], help="config key=value, e.g. eval_every=1000")
     p.add_argument("--workers", type=int, default=2, help="Dask workers where no GPU is visible")
+    p.add_argument("--lags", type=int, nargs="+", default=[0], help="max_policy_lag of each stages run")
     args = parser.parse_args()
     if args.part == "learners":
         learners(args.out, args.presets, args.seconds)
@@ -151,7 +155,7 @@ def main():
         import dataflow as bench_dataflow
 
         overrides = dict(kv.split("=", 1) for kv in args.overrides)
-        loop(args.out, args.algo, args.env_steps or bench_dataflow.BUDGET[args.algo], overrides, args.workers)
+        loop(args.out, args.algo, args.env_steps or bench_dataflow.BUDGET[args.algo], overrides, args.workers, args.lags)
 
 
 if __name__ == "__main__":

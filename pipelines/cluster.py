@@ -2,6 +2,9 @@
 
 - `LocalCluster` by default, every listener on 127.0.0.1, dashboard on;
 - `dask_cuda.LocalCUDACluster` where GPUs are visible and dask-cuda is installed;
+- workers as threads of this process (kind "threads", Dask's inproc transport) where a TPU is
+  visible: one process at a time may hold a TPU chip, so the learner and the collectors share
+  it as threads of one process, as Sebulba's actor and learner threads do;
 - or any running scheduler, by address.
 
 With TLS (`tls_security`), the scheduler, workers and clients talk tls:// with certificates
@@ -15,8 +18,10 @@ exists; PettingZoo collectors always ask for `cpu`.
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import logging
 import os
+import socket
 import sys
 import tempfile
 
@@ -46,6 +51,31 @@ def gpu_count() -> int:
     if visible:
         count = min(count, len([v for v in visible.split(",") if v.strip()]))
     return int(count)
+
+
+def tpu_count() -> int:
+    """TPU chips this process could open: libtpu installed, JAX not pinned to other platforms,
+    and /dev/accel* (or /dev/vfio, on newer hosts) present. Nothing is opened to find out."""
+    platforms = os.environ.get("JAX_PLATFORMS", "").strip()
+    if platforms and "tpu" not in platforms.split(","):
+        return 0
+    if importlib.util.find_spec("libtpu") is None:
+        return 0
+    accel = [d for d in os.listdir("/dev") if d.startswith("accel")] if os.path.isdir("/dev") else []
+    vfio = [d for d in os.listdir("/dev/vfio") if d.isdigit()] if os.path.isdir("/dev/vfio") else []
+    return len(accel or vfio)
+
+
+def can_listen() -> bool:
+    """Whether this machine lets a process listen on the loopback (sandboxes that refuse
+    internet sockets exist: the TPU machines this project was checked on refuse them all)."""
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind((HOST, 0))
+            s.listen()
+        return True
+    except OSError:
+        return False
 
 
 # the directory holding marl/, storage/, pipelines/ and flows/
@@ -123,10 +153,13 @@ def tls_security(directory: str | None = None) -> Security:
 def make_cluster(n_workers: int = 2, kind: str = "auto", dashboard_address: str = f"{HOST}:8787",
                  threads_per_worker: int = 1, memory_limit: str | None = None,
                  security: Security | None = None):
-    """A local cluster of the requested kind: "auto" (CUDA where GPUs are visible), "cpu", "gpu";
-    with `security`, every connection is TLS."""
-    if kind not in {"auto", "cpu", "gpu"}:
-        raise ValueError(f"unknown cluster kind {kind!r}; use auto, cpu or gpu")
+    """A local cluster of the requested kind: "auto" (CUDA where GPUs are visible; threads where
+    a TPU is, or where the machine refuses TCP listeners, so processes could not talk), "cpu",
+    "gpu", "threads"; with `security`, every connection is TLS."""
+    if kind not in {"auto", "cpu", "gpu", "threads"}:
+        raise ValueError(f"unknown cluster kind {kind!r}; use auto, cpu, gpu or threads")
+    if kind == "threads" or (kind == "auto" and not gpu_count() and (tpu_count() or not can_listen())):
+        return _threads_cluster(n_workers, dashboard_address, threads_per_worker, memory_limit)
     tls = {"security": security, "protocol": "tls://"} if security is not None else {}
     env = worker_environment()
     # A Dask worker puts its local directory first on sys.path and keeps a spill folder named
@@ -158,6 +191,36 @@ def make_cluster(n_workers: int = 2, kind: str = "auto", dashboard_address: str 
         return LocalCluster(n_workers=n_workers, threads_per_worker=threads_per_worker,
                             host=HOST, dashboard_address=dashboard_address, processes=True,
                             resources={"cpu": 1}, memory_limit=memory_limit or "auto", **tls)
+
+
+def _threads_cluster(n_workers, dashboard_address, threads_per_worker, memory_limit):
+    """Workers as threads of this process over Dask's inproc transport: they share this
+    process's JAX devices (a TPU's one holder), the learner gets regions without a copy
+    between processes. Each worker offers `gpu` where this process has an accelerator, so the
+    learner and JAX collectors land on them exactly as on a dask-cuda cluster."""
+    if PROJECT_ROOT not in sys.path:
+        sys.path.append(PROJECT_ROOT)
+    accelerator = bool(gpu_count() or tpu_count())
+    kwargs = dict(n_workers=n_workers, threads_per_worker=threads_per_worker, processes=False,
+                  resources={"gpu": 1} if accelerator else {"cpu": 1},
+                  memory_limit=memory_limit or "auto")
+    with dask.config.set(SCHEDULER_CONFIG):
+        if can_listen():
+            return LocalCluster(dashboard_address=dashboard_address, **kwargs)
+        # Every Dask server (scheduler and workers alike) listens on TCP for its HTTP routes
+        # (dashboard, /metrics, /health) whatever the transport; on a machine that refuses
+        # internet sockets that aborts the start. inproc needs no socket, so the cluster
+        # starts without them: no dashboard, the rest as usual.
+        logging.getLogger(__name__).warning(
+            "this machine refuses TCP listeners: the threads cluster starts without Dask's dashboard")
+        from distributed.node import ServerNode
+
+        original = ServerNode.start_http_server
+        ServerNode.start_http_server = lambda self, *args, **kw: None
+        try:
+            return LocalCluster(dashboard_address=None, **kwargs)
+        finally:
+            ServerNode.start_http_server = original
 
 
 @contextlib.contextmanager

@@ -1,5 +1,6 @@
 """The asynchronous dataflow on real LocalClusters and real Zarr stores, without Prefect:
-lock-step (K = 0) reproducible bit for bit across cluster sizes, the policy lag bounded
+lock-step (K = 0) reproducible bit for bit across cluster sizes and kinds (worker processes,
+worker threads of one process), the policy lag bounded
 at K = 2 with the replay ratio held, and a killed collector's task resubmitted."""
 
 import os
@@ -45,26 +46,40 @@ def final_train_state(config):
     return state
 
 
-def test_lock_step_is_reproducible_across_cluster_sizes(tmp_path, dask_cluster, three_workers):
+def test_lock_step_is_reproducible_across_cluster_sizes_and_kinds(tmp_path, dask_cluster, three_workers,
+                                                                  monkeypatch):
     from distributed import Client
+
+    from pipelines import cluster
 
     with Client(dask_cluster.scheduler_address) as client:
         config2, rows2, _ = run_dataflow(client, tmp_path / "two", 2048)
     config3, rows3, flow3 = run_dataflow(three_workers, tmp_path / "three", 2048)
-    assert len(set(flow3.where.collectors)) == 2  # the collectors really ran apart
+    # a machine that refuses TCP listeners (the TPU machines): "auto" makes the workers threads
+    # of this process over inproc, started without Dask's HTTP servers
+    monkeypatch.setattr(cluster, "can_listen", lambda: False)
+    with cluster.make_cluster(n_workers=3, kind="auto") as threads, Client(threads) as client:
+        assert all(a.startswith("inproc://") for a in cluster.workers(client))
+        assert not hasattr(threads.scheduler, "http_server")  # no HTTP server was started
+        configt, rowst, flowt = run_dataflow(client, tmp_path / "threads", 2048)
+    assert len(set(flow3.where.collectors)) == len(set(flowt.where.collectors)) == 2  # collectors apart
     assert [r["env_steps"] for r in rows2] == [r["env_steps"] for r in rows3] == [512, 1024, 1536, 2048]
-    assert all(r["policy_lag_max"] == 0 for r in rows2 + rows3)
-    two, three = open_replay(config2.store_path), open_replay(config3.store_path)
-    assert two.sizes == three.sizes and two.sizes["step"] == 8 * 32
-    for name in two.data_vars:
-        np.testing.assert_array_equal(two[name].values, three[name].values, err_msg=name)
-    for name in ("region", "iteration", "collector", "param_version"):
-        np.testing.assert_array_equal(two[name].values, three[name].values, err_msg=name)
-    state2, state3 = final_train_state(config2), final_train_state(config3)
-    leaves2, leaves3 = _leaves(state2), _leaves(state3)
-    assert leaves2.keys() == leaves3.keys() and leaves2
-    for path in leaves2:
-        np.testing.assert_array_equal(leaves2[path], leaves3[path], err_msg=path)
+    assert [r["env_steps"] for r in rowst] == [512, 1024, 1536, 2048]
+    assert all(r["policy_lag_max"] == 0 for r in rows2 + rows3 + rowst)
+    stores = [open_replay(c.store_path) for c in (config2, config3, configt)]
+    two = stores[0]
+    assert two.sizes["step"] == 8 * 32
+    for other in stores[1:]:
+        assert two.sizes == other.sizes
+        for name in (*two.data_vars, "region", "iteration", "collector", "param_version"):
+            np.testing.assert_array_equal(two[name].values, other[name].values, err_msg=name)
+    leaves2 = _leaves(final_train_state(config2))
+    assert leaves2
+    for config in (config3, configt):
+        leaves = _leaves(final_train_state(config))
+        assert leaves2.keys() == leaves.keys()
+        for path in leaves2:
+            np.testing.assert_array_equal(leaves2[path], leaves[path], err_msg=path)
     assert rows2[-1]["total_updates"] == 8 * make_run_config(TINY).algo_config().updates_per_region
 
 
