@@ -161,6 +161,7 @@ def train(label: str, preset: str, env: str, env_steps: int, overrides: dict, ru
     from flows import train as train_flow
 
     shutil.rmtree(run_dir, ignore_errors=True)
+    commit = _commit()  # the code the run starts with (HEAD may move while it trains)
     rows, started, loads = [], time.perf_counter(), []
     started_utc = time.strftime("%Y-%m-%d %H:%M", time.gmtime())
 
@@ -183,7 +184,7 @@ def train(label: str, preset: str, env: str, env_steps: int, overrides: dict, ru
     keep = lambda r: {k: v for k, v in r.items()  # noqa: E731
                       if k in ("env_steps", "wall_s", "return") or (k.startswith("test_") and not k.endswith("_std"))}
     curve = [keep(r) for r in rows if "test_return" in r]
-    return {"label": label, "preset": preset, "env": env, "overrides": overrides, "commit": _commit(),
+    return {"label": label, "preset": preset, "env": env, "overrides": overrides, "commit": commit,
             "started_utc": started_utc, "ended_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime()),
             "env_steps_budget": env_steps, "env_steps": result["env_steps"], "wall_s": result["wall_s"],
             "stopped_by_wall": result["env_steps"] < env_steps, "final_eval": _floats(result["final_eval"]),
@@ -308,6 +309,10 @@ def write(figure: str, spec: dict, runs: list[dict], randoms: list[dict], args):
         ax.plot([c["env_steps"] for c in run["curve"]], [c[metric] for c in run["curve"]],
                 color=colors[i], marker=".", label=run["label"])
         ax.axhline(run["random"], color=colors[i], linestyle=":", label=f"random policy ({run['random']:.2f})")
+        horizon = int(run["overrides"].get("reward_shaping_horizon", 0) or 0)
+        if horizon:  # trained on reward + coef x the env's shaping term, coef 1 -> 0 by here
+            ax.axvline(horizon, color=colors[i], linestyle="-.", alpha=0.6,
+                       label=f"shaping coefficient 1 -> 0 reaches 0 ({horizon:,} steps)")
     if published and published.get("value") is not None:
         ax.axhline(published["value"], color="k", linestyle="--",
                    label=f"published: {published['value']:.2f} at {published['env_steps']:,} steps")
