@@ -28,6 +28,7 @@ import tempfile
 import dask
 from distributed import Client, LocalCluster
 from distributed.security import Security
+from distributed.system import MEMORY_LIMIT
 
 HOST = "127.0.0.1"
 # a running scheduler that connect() uses when given no address (set by `marl stack up`)
@@ -201,9 +202,12 @@ def _threads_cluster(n_workers, dashboard_address, threads_per_worker, memory_li
     if PROJECT_ROOT not in sys.path:
         sys.path.append(PROJECT_ROOT)
     accelerator = bool(gpu_count() or tpu_count())
+    # Dask measures a worker's memory as its process's, here the one process all workers (and
+    # an accelerator runtime, 9-15 GiB of host memory on a TPU) share: each worker's limit is
+    # the machine's, not a share of it ("auto"), or every worker pauses at once
     kwargs = dict(n_workers=n_workers, threads_per_worker=threads_per_worker, processes=False,
                   resources={"gpu": 1} if accelerator else {"cpu": 1},
-                  memory_limit=memory_limit or "auto")
+                  memory_limit=memory_limit or MEMORY_LIMIT)
     with dask.config.set(SCHEDULER_CONFIG):
         if can_listen():
             return LocalCluster(dashboard_address=dashboard_address, **kwargs)
