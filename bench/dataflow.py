@@ -51,7 +51,7 @@ SETTINGS = ["plain", "K=0,C=1", "K=1,C=1", "K=2,C=1", "K=1,C=2", "K=2,C=2"]
 PARTS = ("rollout_s", "host_copy_s", "write_s", "read_s", "update_s", "publish_s", "checkpoint_s")
 
 
-def plain_loop(preset: str, env_steps: int, seed: int) -> dict:
+def plain_loop(preset: str, env_steps: int, seed: int, overrides: dict | None = None) -> dict:
     """The preset's learner in one process: collect, update, evaluate, no Dask, no Zarr."""
     import jax
     import jax.numpy as jnp
@@ -62,7 +62,7 @@ def plain_loop(preset: str, env_steps: int, seed: int) -> dict:
     from pipelines.stages import replay_fields
 
     # one process collects every env of an iteration (the pipeline's rows set their collectors)
-    config = make_run_config(preset, total_env_steps=env_steps, seed=seed, n_collectors=1)
+    config = make_run_config(preset, total_env_steps=env_steps, seed=seed, n_collectors=1, overrides=overrides)
     env = envs.make(config.env_id, **config.env_kwargs)
     learner = algos.make_learner(config.algo, env.spec, config.algo_config())
     jax_env = env.spec.backend == "jax"  # else PettingZoo: stepped in NumPy, as its collectors do

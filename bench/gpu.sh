@@ -21,7 +21,8 @@
 # sizes for a CPU dry run: CUDA_VISIBLE_DEVICES= GPU_CHECK_SIZE=small bash bench/gpu.sh),
 # GPU_CHECK_BUDGET_S (default 360 full, 600 small), GPU_CHECK_PARTS (default "write collect
 # loop:mappo learners loop:qmix loop:maddpg", run in that order), GPU_CHECK_COLLECT (the N to
-# run, default all), GPU_CHECK_LAGS (default "0 1"), GPU_CHECK_PRESETS (the learners part's,
+# run, default all), GPU_CHECK_LAGS (default "0 1"), GPU_CHECK_OVERRIDES and GPU_CHECK_ENV_STEPS
+# (the loops' settings and env-step budget, plain and stages alike), GPU_CHECK_PRESETS (the learners part's,
 # default "qmix-smac mappo-mpe maddpg-mpe"), PYTHON (default python3), GPU_CHECK_DIR (where
 # stores are written, default $TMPDIR or /tmp).
 set -u
@@ -36,6 +37,7 @@ PARTS=${GPU_CHECK_PARTS:-write collect loop:mappo learners loop:qmix loop:maddpg
 PRESETS=${GPU_CHECK_PRESETS:-qmix-smac mappo-mpe maddpg-mpe}   # the learners part's presets
 COLLECT_N=${GPU_CHECK_COLLECT:-}   # the collect sizes N to run (default: all of the size's)
 LAGS=${GPU_CHECK_LAGS:-0 1}   # max_policy_lag of each stages run of a loop
+LOOP_OVERRIDES=${GPU_CHECK_OVERRIDES:-}   # key=value settings of the loops, plain and stages alike (e.g. envs_per_collector=4096)
 mkdir -p "$OUT" "$DIR"
 LOG="$OUT/log.txt"
 TABLES="$OUT/tables.md"
@@ -154,7 +156,8 @@ for what in $PARTS; do
       done ;;
     loop:*)
       algo=${what#loop:}
-      part "loop $algo" 200 "$PY" bench/gpu_check.py loop --out "$OUT" --algo "$algo" --env-steps "${LOOP_STEPS[$algo]}" --lags $LAGS ;;
+      part "loop $algo" 200 "$PY" bench/gpu_check.py loop --out "$OUT" --algo "$algo" \
+        --env-steps "${GPU_CHECK_ENV_STEPS:-${LOOP_STEPS[$algo]}}" --lags $LAGS --overrides $LOOP_OVERRIDES ;;
     learners)
       part learners 90 "$PY" bench/gpu_check.py learners --out "$OUT" --seconds "$LEARN_S" --presets $PRESETS ;;
     *) echo "unknown part '$what' in GPU_CHECK_PARTS (write, collect, loop:<algo>, learners)" >&2; exit 2 ;;

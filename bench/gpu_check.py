@@ -109,8 +109,9 @@ def loop(out: str, algo: str, env_steps: int, overrides: dict, n_workers: int, l
     columns = ["algo", "setting", "env_steps", "env_steps_per_s", "updates_per_s", "x_plain",
                "test_return", "test_win_rate", "wall_s", "breakdown_s"]
     started = time.perf_counter()
-    plain = bench_dataflow.steady(bench_dataflow.plain_loop(preset, env_steps, 0)["rows"])
-    emit(out, "loop", {"algo": algo, "setting": "plain", **plain, "x_plain": 1.0,
+    plain = bench_dataflow.steady(bench_dataflow.plain_loop(preset, env_steps, 0, overrides)["rows"])
+    sized = " " + " ".join(f"{k}={v}" for k, v in overrides.items()) if overrides else ""
+    emit(out, "loop", {"algo": algo, "setting": "plain" + sized, **plain, "x_plain": 1.0,
                        "total_wall_s": time.perf_counter() - started}, columns)
 
     for lag in lags:
@@ -127,7 +128,7 @@ def loop(out: str, algo: str, env_steps: int, overrides: dict, n_workers: int, l
             flow.run(lambda row: rows.append({**row, "wall_s": time.perf_counter() - began}))
             summary = flow.summary()
         piped = bench_dataflow.steady(rows)
-        emit(out, "loop", {"algo": algo, "setting": f"stages K={lag} ({len(flow.where.collectors)} collector)",
+        emit(out, "loop", {"algo": algo, "setting": f"stages K={lag} ({len(flow.where.collectors)} collector){sized}",
                            **piped, "x_plain": piped["env_steps_per_s"] / max(plain["env_steps_per_s"], 1e-9),
                            "breakdown_s": {k: round(v, 2) for k, v in summary["breakdown_s"].items()},
                            "total_wall_s": time.perf_counter() - started}, columns)
