@@ -313,7 +313,8 @@ def _running(config: RunConfig):
 def rollout(config, collector: int, iteration: int, params, param_version: int, env_steps: int) -> dict:
     """Region `iteration * n_collectors + collector`: T steps of N envs acting with the
     policy `params` (of learner version `param_version`), in host memory as the store will
-    hold it. The envs move on to the next region as soon as this one is copied to the host.
+    hold it (on a worker thread of the learner's process, on the device, in the store's
+    dtypes: `write` copies it to the host). The envs move on to the next region at once.
 
     Returns {"data": the region's fields, "region", ..., the region's episode stats, and
     where the time went (rollout, host copy)}. `write` then stores it, while the learner
@@ -335,7 +336,13 @@ def rollout(config, collector: int, iteration: int, params, param_version: int, 
             rstate, data, stats = state.collect(params, before, explore)
             jax.block_until_ready(data)
             rolled = time.perf_counter()
-            data, stats = state.store.conform(region_id, _to_numpy(data)), _scalars(stats)
+            if _beside_the_learner():
+                # the learner takes the region as the device holds it; `write` copies it to the
+                # host off the learner's path (a TPU's host copy was as long as its rollouts)
+                data = {name: data[name].astype(field.dtype) for name, field in state.store.fields.items()}
+            else:
+                data = state.store.conform(region_id, _to_numpy(data))
+            stats = _scalars(stats)
             copied = time.perf_counter()
             # only now: a rollout that raised is retried from the same envs, the same bytes
             state.rollout_state, state.next_iteration = rstate, iteration + 1
@@ -363,7 +370,10 @@ def write(config, rolled: dict) -> dict:
         with state.writes:
             waited = time.perf_counter()
             _leave_worker_thread_pool()
-            state.store.write_region(region_id, rolled["data"], iteration=rolled["iteration"],
+            data = rolled["data"]
+            if any(isinstance(a, jax.Array) for a in data.values()):  # a region left on the device
+                data = state.store.conform(region_id, _to_numpy(data))
+            state.store.write_region(region_id, data, iteration=rolled["iteration"],
                                      collector=rolled["collector"], param_version=rolled["param_version"])
         written = time.perf_counter()
         _maybe_fail(config, region_id)
@@ -378,6 +388,19 @@ def collect(config, collector: int, iteration: int, params, param_version: int,
     dict with the write's beside it, which `train` takes as it is."""
     rolled = rollout(config, collector, iteration, params, param_version, env_steps)
     return {**rolled, **write(config, rolled)}
+
+
+def _beside_the_learner() -> bool:
+    """Inside a Dask task on a worker that is a thread of the learner's process (a "threads"
+    cluster, whose inproc transport hands results over by reference): a region can reach the
+    learner without leaving the device."""
+    dask_distributed = sys.modules.get("distributed")
+    if dask_distributed is None:
+        return False
+    try:
+        return dask_distributed.get_worker().address.startswith("inproc://")
+    except ValueError:  # not inside a Dask task
+        return False
 
 
 def _leave_worker_thread_pool():

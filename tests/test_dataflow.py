@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from pipelines import stages
-from pipelines.config import make_run_config
+from pipelines.config import RunConfig, make_run_config
 from pipelines.dataflow import Dataflow, Placement, run_moving
 from storage import Checkpointer, ReplayStore, open_replay
 
@@ -258,3 +258,29 @@ def _leaves(tree, path=""):
             out.update(_leaves(v, f"{path}/{i}"))
         return out
     return {path: np.asarray(tree)}
+
+
+def test_a_region_made_beside_the_learner_stays_on_the_device_until_written(tmp_path, monkeypatch):
+    """On a threads cluster the rollout hands the learner the device's arrays (no host round
+    trip); the write copies them to the host and stores what the host path would."""
+    import jax
+    from distributed import Client
+
+    from pipelines import cluster
+
+    config = make_run_config(TINY, run_dir=str(tmp_path / "run"), total_env_steps=512)
+    monkeypatch.setattr(cluster, "can_listen", lambda: False)
+    with cluster.make_cluster(n_workers=1, kind="auto") as threads, Client(threads) as client:
+        start = client.submit(stages.prepare_run, config.to_dict(), pure=False).result()
+        config = RunConfig(**start["config"])  # its ring as fitted
+        params = client.submit(stages.policy_params, config.to_dict(), pure=False).result()
+        rolled = client.submit(stages.rollout, config.to_dict(), 0, 0, params, 0, 0, pure=False).result()
+        assert all(isinstance(a, jax.Array) for a in rolled["data"].values())
+        client.submit(stages.write, config.to_dict(), rolled, pure=False).result()
+    store = ReplayStore.open(config.store_path)
+    host = store.conform(0, {k: np.asarray(v) for k, v in rolled["data"].items()})
+    stored = store.read_region(0)
+    assert stored.keys() == host.keys()
+    for name in host:
+        np.testing.assert_array_equal(stored[name], host[name], err_msg=name)
+        assert stored[name].dtype == store.fields[name].dtype
