@@ -6,6 +6,7 @@ their presets' settings, the same env-step budget, side by side in one run.
     K=k,C=c   `marl train` (Prefect flow, LocalCluster of c + 1 single-threaded workers:
               the learner's and one per collector) with max_policy_lag k and c collectors
     K=k,C=c,W=w  the same on w workers (W=1: every stage in the learner's worker process)
+    K=k,C=c,threads  the same on a threads cluster (workers as threads of the driver's process)
 
 Throughput is steady state: env steps and updates after the first evaluation (by then
 every stage has compiled) over the wall time since it. Each seed runs every setting back to
@@ -106,7 +107,7 @@ def plain_loop(preset: str, env_steps: int, seed: int, overrides: dict | None = 
 
 
 def pipeline(preset: str, env_steps: int, seed: int, lag: int, collectors: int, run_dir: str,
-             workers: int | None = None) -> dict:
+             workers: int | None = None, cluster: str = "auto") -> dict:
     from flows import train as train_flow
 
     shutil.rmtree(run_dir, ignore_errors=True)
@@ -119,7 +120,7 @@ def pipeline(preset: str, env_steps: int, seed: int, lag: int, collectors: int, 
     try:
         result = train_flow.marl_train(preset=preset, env_steps=env_steps, seed=seed, run_dir=run_dir,
                                        collectors=collectors, n_workers=workers or collectors + 1,
-                                       overrides={"max_policy_lag": str(lag)})
+                                       overrides={"max_policy_lag": str(lag)}, cluster=cluster)
     finally:
         train_flow.ITERATION_HOOKS.remove(record)
     return {"rows": rows, "dataflow": result["dataflow"]}
@@ -184,10 +185,11 @@ def main():
                 if setting == "plain":
                     out = plain_loop(preset, budget[algo], seed)
                 else:
-                    parts = dict(part.split("=") for part in setting.split(","))
+                    parts = dict(part.split("=") if "=" in part else (part, "") for part in setting.split(","))
                     out = pipeline(preset, budget[algo], seed, int(parts["K"]), int(parts["C"]),
                                    os.path.join(args.run_root, f"{algo}-{setting}-{seed}".replace(",", "-")),
-                                   workers=int(parts["W"]) if "W" in parts else None)
+                                   workers=int(parts["W"]) if "W" in parts else None,
+                                   cluster="threads" if "threads" in parts else "auto")
                 results.append({"algo": algo, "setting": setting, "seed": seed, **steady(out["rows"]),
                                 "dataflow": out.get("dataflow"), "rows": out["rows"],
                                 "total_wall_s": time.perf_counter() - started})

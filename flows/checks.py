@@ -196,6 +196,23 @@ def tls_security(tls, address: str | None):
         raise InputError(one_line(e)) from None
 
 
+CLUSTER_KINDS = ("auto", "cpu", "gpu", "threads")
+
+
+def check_cluster(kind: str, scheduler_address: str | None = None, tls=False) -> None:
+    """--cluster names a kind of new local cluster: one of CLUSTER_KINDS, without --scheduler
+    (a running cluster is what it is), and not threads with --tls (inproc has no connection
+    to secure)."""
+    if kind not in CLUSTER_KINDS:
+        raise InputError(f"--cluster {kind!r} is not a cluster kind; use one of {', '.join(CLUSTER_KINDS)}")
+    if kind != "auto" and scheduler_address:
+        raise InputError("--cluster picks a new local cluster and --scheduler uses a running one; "
+                         "leave out one of them")
+    if kind == "threads" and tls:
+        raise InputError("--tls secures connections between processes and a threads cluster has none; "
+                         "leave out one of them")
+
+
 def check_run(config, scheduler_address=None, n_workers=2) -> None:
     """Everything about a training run that can be checked before a cluster starts or
     anything is written: the cheap checks first."""

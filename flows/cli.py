@@ -102,6 +102,7 @@ def cmd_train(args) -> int:
             raise checks.InputError("--workers sizes a new local cluster and --scheduler uses a running one; "
                                     "leave out one of them")
         checks.check_scheduler(args.scheduler)
+        checks.check_cluster(args.cluster, args.scheduler, args.tls)
         if args.run_dir is not None:
             checks.check_run_dir(args.run_dir)
         from flows.loggers import parse_loggers
@@ -158,7 +159,8 @@ def cmd_train(args) -> int:
             result = train_flow.marl_train(
                 preset=args.preset, env=args.env, env_steps=args.env_steps, collectors=args.collectors,
                 seed=args.seed, seeds=args.seeds, run_dir=args.run_dir, overrides=overrides,
-                scheduler_address=args.scheduler, n_workers=n_workers, loggers=args.logger, tls=args.tls)
+                scheduler_address=args.scheduler, n_workers=n_workers, loggers=args.logger, tls=args.tls,
+                cluster=args.cluster)
         except bad_input as e:  # found only where the run starts (e.g. the memory of its workers)
             progress.stop()
             return fail(e)
@@ -214,6 +216,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="override a run or algorithm setting, e.g. --set lr=0.001 (repeatable)")
     p.add_argument("--scheduler", help="address of a running Dask scheduler (default: a new local cluster)")
     p.add_argument("--workers", type=int, help="local cluster workers (default 2)")
+    p.add_argument("--cluster", default="auto", metavar="KIND",
+                   help="the local cluster's kind: auto (default: CUDA workers where GPUs are visible, "
+                   "threads where a TPU is), cpu, gpu, or threads (workers as threads of this process, "
+                   "sharing its devices)")
     p.add_argument("--tls", nargs="?", const=True, default=False, metavar="DIR",
                    help="the cluster talks TLS only, with DIR's ca.pem, cert.pem and key.pem (default DIR: "
                    "~/.config/marl/tls, self-signed ones made there when it has none)")

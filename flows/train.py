@@ -123,8 +123,11 @@ def marl_train(preset: str = "qmix-smac", env: str | None = None, env_steps: int
                collectors: int | None = None, seed: int | None = None, seeds: int | None = None,
                run_dir: str | None = None, overrides: dict[str, str] | None = None,
                scheduler_address: str | None = None, n_workers: int = 2,
-               loggers: list[str] | str | None = None, tls: bool | str = False) -> dict:
+               loggers: list[str] | str | None = None, tls: bool | str = False,
+               cluster: str = "auto") -> dict:
     """Train `preset` (e.g. qmix-smac); resumes from the latest checkpoint in `run_dir`.
+    `cluster`: the kind of local cluster (pipelines.cluster.make_cluster: auto, cpu, gpu, or
+    threads, its workers threads of this process) when no scheduler is given.
     `loggers`: "csv" (the default), "tensorboard" or both (flows/loggers.py), one row per iteration.
     `tls`: True (certificates in the user's config dir, self-signed ones made there when
     absent) or a directory of ca.pem, cert.pem and key.pem: the cluster talks TLS only.
@@ -138,11 +141,12 @@ def marl_train(preset: str = "qmix-smac", env: str | None = None, env_steps: int
     config = make_run_config(preset, env_id=env, total_env_steps=env_steps, n_collectors=collectors,
                              seed=seed, run_dir=run_dir, overrides=overrides)
     checks.check_run(config, scheduler_address, n_workers)
+    checks.check_cluster(cluster, scheduler_address, tls)
     security = checks.tls_security(tls, scheduler_address or os.environ.get(clusters.SCHEDULER_ENV))
     logger_names = metric_loggers.parse_loggers(loggers)
     logger = get_run_logger()
     cfg = config.to_dict()
-    with clusters.connect(scheduler_address, security=security, n_workers=n_workers) as client, \
+    with clusters.connect(scheduler_address, security=security, n_workers=n_workers, kind=cluster) as client, \
             stage_errors(config.run_dir):
         quiet_task_errors(client)
         dashboard = client.dashboard_link

@@ -68,6 +68,9 @@ CASES = {
                                         "no scheduler reachable"),
     "train-scheduler-and-workers": Case("train {TINY} --run-dir {RUN} --scheduler tcp://127.0.0.1:{CLOSED_PORT} "
                                         "--workers 3", "leave out one of them"),
+    "train-unknown-cluster": Case("train {TINY} --run-dir {RUN} --cluster kubernetes", "is not a cluster kind"),
+    "train-cluster-and-scheduler": Case("train {TINY} --run-dir {RUN} --cluster threads --scheduler "
+                                        "tcp://127.0.0.1:{CLOSED_PORT}", "leave out one of them"),
     "train-run-dir-is-a-file": Case("train {TINY} --run-dir {RUN}/replay/zarr.json", "is a file"),
     "train-run-dir-under-a-file": Case("train {TINY} --run-dir {RUN}/replay/zarr.json/run", "which is a file"),
     "train-resume-other-preset": Case("train vdn-smax --run-dir {RUN}", "have preset=qmix-smac-tiny algo=qmix"),
