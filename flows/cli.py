@@ -101,8 +101,8 @@ def cmd_train(args) -> int:
         if args.workers is not None and args.scheduler:
             raise checks.InputError("--workers sizes a new local cluster and --scheduler uses a running one; "
                                     "leave out one of them")
-        checks.check_scheduler(args.scheduler)
         checks.check_cluster(args.cluster, args.scheduler, args.tls)
+        checks.check_scheduler(args.scheduler)
         if args.run_dir is not None:
             checks.check_run_dir(args.run_dir)
         from flows.loggers import parse_loggers

@@ -140,8 +140,8 @@ def marl_train(preset: str = "qmix-smac", env: str | None = None, env_steps: int
     overrides = {**(overrides or {}), **({"n_seeds": seeds} if seeds is not None else {})}
     config = make_run_config(preset, env_id=env, total_env_steps=env_steps, n_collectors=collectors,
                              seed=seed, run_dir=run_dir, overrides=overrides)
-    checks.check_run(config, scheduler_address, n_workers)
     checks.check_cluster(cluster, scheduler_address, tls)
+    checks.check_run(config, scheduler_address, n_workers)
     security = checks.tls_security(tls, scheduler_address or os.environ.get(clusters.SCHEDULER_ENV))
     logger_names = metric_loggers.parse_loggers(loggers)
     logger = get_run_logger()
