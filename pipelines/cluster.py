@@ -210,7 +210,11 @@ def _threads_cluster(n_workers, dashboard_address, threads_per_worker, memory_li
                   memory_limit=memory_limit or MEMORY_LIMIT)
     with dask.config.set(SCHEDULER_CONFIG):
         if can_listen():
-            return LocalCluster(dashboard_address=dashboard_address, **kwargs)
+            # inproc addresses carry this machine's outward IP, where Dask's HTTP servers would
+            # bind by default: the scheduler's and the workers' go on the loopback
+            return LocalCluster(dashboard_address=dashboard_address, worker_dashboard_address=f"{HOST}:0",
+                                scheduler_kwargs=None if dashboard_address else {"dashboard_address": f"{HOST}:0"},
+                                **kwargs)
         # Every Dask server (scheduler and workers alike) listens on TCP for its HTTP routes
         # (dashboard, /metrics, /health) whatever the transport; on a machine that refuses
         # internet sockets that aborts the start. inproc needs no socket, so the cluster

@@ -260,7 +260,7 @@ def _leaves(tree, path=""):
     return {path: np.asarray(tree)}
 
 
-def test_a_region_made_beside_the_learner_stays_on_the_device_until_written(tmp_path, monkeypatch):
+def test_a_region_made_beside_the_learner_stays_on_the_device_until_written(tmp_path):
     """On a threads cluster the rollout hands the learner the device's arrays (no host round
     trip); the write copies them to the host and stores what the host path would."""
     import jax
@@ -269,8 +269,12 @@ def test_a_region_made_beside_the_learner_stays_on_the_device_until_written(tmp_
     from pipelines import cluster
 
     config = make_run_config(TINY, run_dir=str(tmp_path / "run"), total_env_steps=512)
-    monkeypatch.setattr(cluster, "can_listen", lambda: False)
-    with cluster.make_cluster(n_workers=1, kind="auto") as threads, Client(threads) as client:
+    for dashboard in ("127.0.0.1:0", None):  # every HTTP listener on the loopback, dashboard or not
+        with cluster.make_cluster(n_workers=1, kind="threads", dashboard_address=dashboard) as threads:
+            servers = [threads.scheduler, *threads.workers.values()]
+            bound = {s.getsockname()[0] for n in servers for s in n.http_server._sockets.values()}
+            assert bound == {"127.0.0.1"}, bound
+    with cluster.make_cluster(n_workers=1, kind="threads") as threads, Client(threads) as client:
         start = client.submit(stages.prepare_run, config.to_dict(), pure=False).result()
         config = RunConfig(**start["config"])  # its ring as fitted
         params = client.submit(stages.policy_params, config.to_dict(), pure=False).result()
