@@ -17,6 +17,14 @@
 # they are measured: rows.jsonl (every row, tagged with its part), tables.md, log.txt (the
 # benchmarks' own json/md/png go to $GPU_CHECK_DIR/gpu-check-results, never to bench/results).
 #
+# The wheels for a TPU machine (Python 3.11, JAX 0.10.2 already there; see BENCHMARKS.md, "The
+# device check on a TPU v5e"): bench/device-wheels.txt, fetched here into the ignored .whl-tpu/ by
+#   echo /.whl-tpu/ >> .git/info/exclude; xargs -a bench/device-wheels.txt python3 -m pip download
+#     --no-deps --only-binary=:all: --python-version 3.11 --implementation cp
+#     --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64
+#     --platform manylinux2014_x86_64 --platform manylinux1_x86_64 -d .whl-tpu
+# (46 MB; matplotlib comes from the machine's own index, /opt/pypi/simple).
+#
 # Knobs (environment): OUT (default ./gpu-check-out), GPU_CHECK_SIZE=full|small (small: tiny
 # sizes for a CPU dry run: CUDA_VISIBLE_DEVICES= GPU_CHECK_SIZE=small bash bench/gpu.sh),
 # GPU_CHECK_BUDGET_S (default 360 full, 600 small), GPU_CHECK_PARTS (default "write collect
