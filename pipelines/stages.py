@@ -370,10 +370,8 @@ def write(config, rolled: dict) -> dict:
         with state.writes:
             waited = time.perf_counter()
             _leave_worker_thread_pool()
-            data = rolled["data"]
-            if any(isinstance(a, jax.Array) for a in data.values()):  # a region left on the device
-                data = state.store.conform(region_id, _to_numpy(data))
-            state.store.write_region(region_id, data, iteration=rolled["iteration"],
+            # (a region left on the device reaches the host here: write_region conforms it)
+            state.store.write_region(region_id, rolled["data"], iteration=rolled["iteration"],
                                      collector=rolled["collector"], param_version=rolled["param_version"])
         written = time.perf_counter()
         _maybe_fail(config, region_id)
