@@ -12,9 +12,9 @@
 # against raw tofile + fsync of the same bytes (bench/write_throughput.py); plain rollout vs
 # the collect stage at N = 65,536 / 1,024 / 8,192 (bench/collect_throughput.py, serial and
 # streamed); the whole MAPPO loop through the stages vs the plain fused loop; learner
-# updates/s per preset; the QMIX and MADDPG loops (bench/gpu_check.py). Measured on CPU
-# (GPU_CHECK_SIZE=small): 289 s end to end. Results go to $OUT as three files, appended as
-# they are measured: rows.jsonl (every row, tagged with its part), tables.md, log.txt (the
+# updates/s per preset; the QMIX and MADDPG loops (bench/gpu_check.py). Measured on this
+# 2-core CPU (GPU_CHECK_SIZE=small, every part, 2026-12-05): 98-107 s end to end. Results
+# go to $OUT as three files, appended as they are measured: rows.jsonl (every row, tagged with its part), tables.md, log.txt (the
 # benchmarks' own json/md/png go to $GPU_CHECK_DIR/gpu-check-results, never to bench/results).
 #
 # The wheels for a TPU machine (Python 3.11, JAX 0.10.2 already there; see BENCHMARKS.md, "The

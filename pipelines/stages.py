@@ -388,31 +388,32 @@ def collect(config, collector: int, iteration: int, params, param_version: int,
     return {**rolled, **write(config, rolled)}
 
 
-def _beside_the_learner() -> bool:
-    """Inside a Dask task on a worker that is a thread of the learner's process (a "threads"
-    cluster, whose inproc transport hands results over by reference): a region can reach the
-    learner without leaving the device."""
+def _dask_worker():
+    """The Dask worker running this task, or None when the stage is called as a plain
+    function (distributed never imported, or not inside a task)."""
     dask_distributed = sys.modules.get("distributed")
     if dask_distributed is None:
-        return False
+        return None
     try:
-        return dask_distributed.get_worker().address.startswith("inproc://")
+        return dask_distributed.get_worker()
     except ValueError:  # not inside a Dask task
-        return False
+        return None
+
+
+def _beside_the_learner() -> bool:
+    """On a worker that is a thread of the learner's process (a "threads" cluster, whose
+    inproc transport hands results over by reference): a region can reach the learner
+    without leaving the device."""
+    worker = _dask_worker()
+    return worker is not None and worker.address.startswith("inproc://")
 
 
 def _leave_worker_thread_pool():
     """Inside a Dask task: give this task's slot in the worker's thread pool back, so the
     worker starts its next task while this one writes (distributed.secede); a no-op when
     the stage is called as a plain function."""
-    dask_distributed = sys.modules.get("distributed")  # never imported: not a Dask worker
-    if dask_distributed is None:
-        return
-    try:
-        dask_distributed.get_worker()
-    except ValueError:  # not inside a Dask task
-        return
-    dask_distributed.secede()
+    if _dask_worker() is not None:
+        sys.modules["distributed"].secede()
 
 
 def _maybe_fail(config: RunConfig, region_id: int):
