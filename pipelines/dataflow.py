@@ -200,10 +200,11 @@ class _Iteration:
     index: int
     metrics: Future  # the train call's metrics (params stay on the learner's worker)
     writes: list[Future]  # its regions' write results
-    # params held until its row is out: those its rollouts acted with, those it made (its
-    # evaluation's), and the previous iteration's (whose writes the next train call takes).
-    # A rollout, write or evaluation lost with its worker is made again from them, never
-    # from a recomputed train call (which would rebuild the learner from its checkpoint)
+    # params held until its row is out (`Dataflow._version`): those its rollouts acted with,
+    # those it made (its evaluation's), and the previous iteration's (whose writes the next
+    # train call takes). A rollout, write or evaluation lost with its worker is made again
+    # from them, never from a recomputed train call (which would rebuild the learner from its
+    # checkpoint)
     held: list[Future] = dataclasses.field(default_factory=list)
     written: list[dict] = dataclasses.field(default_factory=list)
     evaluation: Future | None = None
@@ -226,7 +227,9 @@ class Dataflow:
         self.cfg = config.to_dict()
         self.first = int(start["iteration"])
         self.lag = int(config.max_policy_lag)
-        self.params: dict[int, Future] = {self.first: self._on_learner(stages.policy_params, self.cfg)}
+        # each version's params, and the learner's result they were taken from (`_version`)
+        self.made: dict[int, Future] = {self.first: self._on_learner(stages.policy_params, self.cfg)}
+        self.params: dict[int, Future] = {self.first: self._on_learner(_alias, self.made[self.first])}
         self.last_writes: list[Future] = []  # the writes of the last iteration submitted
         self.last_held: list[Future] = []  # and the params it acted with and made
         self.pending: collections.deque[_Iteration] = collections.deque()
@@ -269,10 +272,11 @@ class Dataflow:
                                    checkpoint, rolled, committed, previous, retries=2)
         self.last_writes = writes
         # the params stay on the learner's worker until a collector or evaluator needs them
+        self.made[i + 1] = trained
         self.params[i + 1] = self._on_learner(operator.itemgetter("params"), trained, priority=1)
         metrics = self._on_learner(operator.itemgetter("metrics"), trained, priority=1)
-        it = _Iteration(i, metrics, writes, held=[self.params[version], self.params[i + 1], *self.last_held])
-        self.last_held = it.held[:2]
+        it = _Iteration(i, metrics, writes, held=[*self._version(version), *self._version(i + 1), *self.last_held])
+        self.last_held = it.held[:4]
         self._wait(it, "trained", metrics)
         for future in writes:
             self._wait(it, "written", future)
@@ -285,8 +289,17 @@ class Dataflow:
         self.pending.append(it)
         # versions no later iteration acts with
         for v in [v for v in self.params if v < max(self.first, i + 1 - self.lag)]:
-            del self.params[v]
+            del self.params[v], self.made[v]
         self.next_to_submit = i + 1
+
+    def _version(self, v: int) -> list[Future]:
+        """What keeps version v's params safe to lose: the params, and the learner's result
+        they were taken from. Collectors fetch the params, and Dask's active memory manager
+        may then drop the learner's copy, leaving a collector's the only one; lost with that
+        collector's worker, the params are taken again from the learner's result, which only
+        the learner's worker ever holds. Never released, it is never recomputed: a train call
+        run twice would find the learner moved on (or rebuild it from its checkpoint)."""
+        return [self.params[v], self.made[v]]
 
     def _evaluate(self, params, i: int, **kwargs) -> Future:
         return self.client.submit(stages.evaluate, self.cfg, params, i, workers=[self.where.evaluator],
@@ -331,6 +344,7 @@ class Dataflow:
             # assertion (a screenful of traceback) on cancelled tasks whose dependents no client holds
             self.pending.clear()
             self.params.clear()
+            self.made.clear()
             self.waiting.clear()
             self.last_writes, self.last_held = [], []
             raise
@@ -343,6 +357,7 @@ class Dataflow:
             self.watch.doing = "its final checkpoint"
             self.watch.result(self._on_learner(stages.save_checkpoint, self.cfg, self.last_writes))
         self.params.clear()
+        self.made.clear()
         self.last_writes, self.last_held = [], []
         return rows
 
@@ -479,6 +494,12 @@ def _drain(client: Client, run_dir: str):
             raise RunStopped(f"region writes of {run_dir} still running after {DRAIN_S:.0f} s on "
                              f"{', '.join(w for w, n in running.items() if n)}; {_resume(run_dir)}")
         time.sleep(0.2)
+
+
+def _alias(value):
+    """`value` under a new key (the first version's params: collectors fetch this key, and
+    only the learner's worker holds the one it is taken from)."""
+    return value
 
 
 def _collect_priority(i: int) -> int:

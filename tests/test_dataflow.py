@@ -144,6 +144,11 @@ def test_a_killed_collector_is_resubmitted_and_every_region_lands_once(tmp_path,
                 len(os.listdir(os.path.join(store_path, "commits"))) >= 6:
             break
         time.sleep(0.05)
+    # Dask's active memory manager drops surplus replicas, the computing worker's included:
+    # a params version a collector fetched may then live only on that collector. Made so here
+    # (it happened by itself in CI), the kill loses it, and Dask makes it again: never by
+    # running a train call again (LearnerOutOfStep), always from what the learner still holds
+    sources = client.run_on_scheduler(_drop_replicas_held_by_both, where.learner, victim)
     os.kill(pid, signal.SIGKILL)  # mid-run: later regions are still to come
     thread.join(timeout=600)
     assert not thread.is_alive() and "error" not in outcome, outcome.get("error")
@@ -152,6 +157,21 @@ def test_a_killed_collector_is_resubmitted_and_every_region_lands_once(tmp_path,
     store = ReplayStore.open(store_path)
     assert [r for r, _ in store.committed()] == list(range(32))
     assert store.total_regions_committed() == 32
+    assert sources and all(holders == [[where.learner]] for holders in sources.values()), "\n".join(f"{k} {v}" for k, v in sources.items())
+
+
+def _drop_replicas_held_by_both(learner, victim, dask_scheduler=None):
+    """Removes `learner`'s copy of every key `victim` also holds and no task on the learner
+    is using (as the memory manager chooses). Returns, for each params key the run holds,
+    where the learner result it was taken from is: the learner's worker, always."""
+    keys = [key for key, ts in dask_scheduler.tasks.items()
+            if ts.state == "memory" and {learner, victim} <= {ws.address for ws in ts.who_has}
+            and not any(w.processing_on and w.processing_on.address == learner for w in ts.waiters or ())]
+    if keys:
+        dask_scheduler.request_remove_replicas(learner, keys, stimulus_id=f"test-drop-{time.time()}")
+    return {key: [sorted(ws.address for ws in d.who_has or ()) for d in ts.dependencies]
+            for key, ts in dask_scheduler.tasks.items()
+            if ts.who_wants and ts.state == "memory" and ("itemgetter('params')" in str(key) or str(key).startswith("_alias"))}
 
 
 def test_a_killed_evaluator_mid_evaluation_is_resubmitted(tmp_path, three_workers):
