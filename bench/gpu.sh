@@ -12,7 +12,9 @@
 # against raw tofile + fsync of the same bytes (bench/write_throughput.py); plain rollout vs
 # the collect stage at N = 65,536 / 1,024 / 8,192 (bench/collect_throughput.py, serial and
 # streamed); the whole MAPPO loop through the stages vs the plain fused loop; learner
-# updates/s per preset; the QMIX and MADDPG loops (bench/gpu_check.py). Measured on this
+# updates/s per preset; the QMIX and MADDPG loops (bench/gpu_check.py); and, asked for by name,
+# "compile": trace, compile, first and steady call of each env family's rollout, apart
+# (bench/compile_probe.py). Measured on this
 # 2-core CPU (GPU_CHECK_SIZE=small, every part, 2026-12-05): 98-107 s end to end. Results
 # go to $OUT as three files, appended as they are measured: rows.jsonl (every row, tagged with its part), tables.md, log.txt (the
 # benchmarks' own json/md/png go to $GPU_CHECK_DIR/gpu-check-results, never to bench/results).
@@ -31,7 +33,8 @@
 # loop:mappo learners loop:qmix loop:maddpg", run in that order), GPU_CHECK_COLLECT (the N to
 # run, default all), GPU_CHECK_LAGS (default "0 1"), GPU_CHECK_OVERRIDES and GPU_CHECK_ENV_STEPS
 # (the loops' settings and env-step budget, plain and stages alike), GPU_CHECK_PRESETS (the learners part's,
-# default "qmix-smac mappo-mpe maddpg-mpe"), PYTHON (default python3), GPU_CHECK_DIR (where
+# default "qmix-smac mappo-mpe maddpg-mpe"), GPU_CHECK_PROBE_ARGS (the compile part's, default
+# "--envs 4096 --case-timeout-s 50"), PYTHON (default python3), GPU_CHECK_DIR (where
 # stores are written, default $TMPDIR or /tmp).
 set -u
 cd "$(dirname "$0")/.."
@@ -65,7 +68,8 @@ case "$SIZE" in
            "blosc lz4 no shuffle, fsync" "none, fsync")
     COLLECT=("65536 16 2" "1024 32 8" "8192 32 4")   # envs, steps per region, repeats; the target's N first
     LEARN_S=5
-    declare -A LOOP_STEPS=([mappo]=1000000 [qmix]=102400 [maddpg]=100000) ;;
+    declare -A LOOP_STEPS=([mappo]=1000000 [qmix]=102400 [maddpg]=100000)
+    PROBE_DEFAULT="--envs 4096 --case-timeout-s 50" ;;
   small)
     BUDGET=${GPU_CHECK_BUDGET_S:-600}
     DD_MB=128
@@ -73,9 +77,11 @@ case "$SIZE" in
            "none, fsync" "previous (zstd 0, 1 chunk, scan, no fsync)")
     COLLECT=("64 16 3")
     LEARN_S=1
-    declare -A LOOP_STEPS=([mappo]=32768 [qmix]=4096 [maddpg]=4000) ;;
+    declare -A LOOP_STEPS=([mappo]=32768 [qmix]=4096 [maddpg]=4000)
+    PROBE_DEFAULT="--envs 16 --steps 8 --case-timeout-s 60" ;;
   *) echo "GPU_CHECK_SIZE must be full or small, got '$SIZE'" >&2; exit 2 ;;
 esac
+PROBE_ARGS=${GPU_CHECK_PROBE_ARGS:-$PROBE_DEFAULT}   # bench/compile_probe.py's arguments (the compile part)
 
 left() { echo $(( BUDGET - ($(date +%s) - BEGAN) )); }
 
@@ -166,9 +172,12 @@ for what in $PARTS; do
       algo=${what#loop:}
       part "loop $algo" 200 "$PY" bench/gpu_check.py loop --out "$OUT" --algo "$algo" \
         --env-steps "${GPU_CHECK_ENV_STEPS:-${LOOP_STEPS[$algo]}}" --lags $LAGS --overrides $LOOP_OVERRIDES ;;
+    compile)  # where a device's first minutes go: trace, compile, first and steady call per env family
+      part compile_probe 240 "$PY" bench/compile_probe.py $PROBE_ARGS
+      [ -f "$RESULTS/compile_probe.md" ] && { echo; echo "### compile_probe"; echo; cat "$RESULTS/compile_probe.md"; } >> "$TABLES" ;;
     learners)
       part learners 90 "$PY" bench/gpu_check.py learners --out "$OUT" --seconds "$LEARN_S" --presets $PRESETS ;;
-    *) echo "unknown part '$what' in GPU_CHECK_PARTS (write, collect, loop:<algo>, learners)" >&2; exit 2 ;;
+    *) echo "unknown part '$what' in GPU_CHECK_PARTS (write, collect, loop:<algo>, learners, compile)" >&2; exit 2 ;;
   esac
 done
 
