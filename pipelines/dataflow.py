@@ -201,10 +201,9 @@ class _Iteration:
     metrics: Future  # the train call's metrics (params stay on the learner's worker)
     writes: list[Future]  # its regions' write results
     # params held until its row is out (`Dataflow._version`): those its rollouts acted with,
-    # those it made (its evaluation's), and the previous iteration's (whose writes the next
-    # train call takes). A rollout, write or evaluation lost with its worker is made again
-    # from them, never from a recomputed train call (which would rebuild the learner from its
-    # checkpoint)
+    # those it made (its evaluation's), and those of the writes its train call takes. A
+    # rollout, write or evaluation lost with its worker is made again from them, never from a
+    # recomputed train call (which would rebuild the learner from its checkpoint)
     held: list[Future] = dataclasses.field(default_factory=list)
     written: list[dict] = dataclasses.field(default_factory=list)
     evaluation: Future | None = None
@@ -230,8 +229,9 @@ class Dataflow:
         # each version's params, and the learner's result they were taken from (`_version`)
         self.made: dict[int, Future] = {self.first: self._on_learner(stages.policy_params, self.cfg)}
         self.params: dict[int, Future] = {self.first: self._on_learner(_alias, self.made[self.first])}
-        self.last_writes: list[Future] = []  # the writes of the last iteration submitted
-        self.last_held: list[Future] = []  # and the params it acted with and made
+        # region writes no train call has been given yet, each with the params its rollout
+        # acted with (`_version`: a lost write is made again from them)
+        self.unpassed: list[tuple[Future, list[Future]]] = []
         self.pending: collections.deque[_Iteration] = collections.deque()
         self.watch = Watch(client, placement.learner, config.run_dir)
         self.waiting: dict[Future, tuple[_Iteration, str]] = {}  # -> (iteration, kind)
@@ -266,17 +266,23 @@ class Dataflow:
         writes = [self._on_collector(c, i, stages.write, cfg, r) for c, r in enumerate(rolled)]
         last = i == config.n_iterations - 1
         checkpoint = last or (i + 1) % config.checkpoint_every == 0
-        committed = [*self.last_writes, *(writes if checkpoint else [])]
+        # a train call takes the writes finished by now (their regions are committed: it records
+        # the version that first trained on each) and does not wait for the others, so the
+        # learner never waits on the disk; a checkpointing call waits for every region it covers
+        self.unpassed += [(w, self._version(version)) for w in writes]
+        given = lambda write: checkpoint or write.status == "finished"
+        passed = [(w, held) for w, held in self.unpassed if given(w)]
+        self.unpassed = [(w, held) for w, held in self.unpassed if not given(w)]
+        committed = [w for w, _ in passed]
         previous = self.pending[-1].metrics if self.pending else None
         trained = self._on_learner(stages.train, cfg, i, env_steps + config.steps_per_iteration,
                                    checkpoint, rolled, committed, previous, retries=2)
-        self.last_writes = writes
         # the params stay on the learner's worker until a collector or evaluator needs them
         self.made[i + 1] = trained
         self.params[i + 1] = self._on_learner(operator.itemgetter("params"), trained, priority=1)
         metrics = self._on_learner(operator.itemgetter("metrics"), trained, priority=1)
-        it = _Iteration(i, metrics, writes, held=[*self._version(version), *self._version(i + 1), *self.last_held])
-        self.last_held = it.held[:4]
+        it = _Iteration(i, metrics, writes, held=[*self._version(version), *self._version(i + 1),
+                                                  *(f for _, held in passed for f in held)])
         self._wait(it, "trained", metrics)
         for future in writes:
             self._wait(it, "written", future)
@@ -309,9 +315,12 @@ class Dataflow:
         self.waiting[future] = (it, kind)
 
     def _fill(self):
-        """Keeps K + 2 iterations submitted beyond the last one the learner finished."""
+        """Keeps K + 2 iterations submitted beyond the last one the learner finished, and at
+        most WRITES_BEHIND more whose regions are still being written (or evaluated): the
+        learner runs ahead of the disk, and the regions in memory stay bounded."""
         horizon = min(self.config.n_iterations, self.trained + self.lag + 2)
-        while not self.stopped_early and self.next_to_submit < horizon:
+        while (not self.stopped_early and self.next_to_submit < horizon
+               and len(self.pending) < self.lag + 2 + WRITES_BEHIND):
             self._submit(self.next_to_submit)
 
     # ------------------------------------------------------------------- the loop
@@ -346,7 +355,7 @@ class Dataflow:
             self.params.clear()
             self.made.clear()
             self.waiting.clear()
-            self.last_writes, self.last_held = [], []
+            self.unpassed = []
             raise
         last = rows[-1]["iteration"] - 1 if rows else None
         if last is not None and "test_win_rate" not in rows[-1]:
@@ -355,10 +364,10 @@ class Dataflow:
             self._attach(rows[-1], self.final_eval)
         if last is not None and self.stopped_early:
             self.watch.doing = "its final checkpoint"
-            self.watch.result(self._on_learner(stages.save_checkpoint, self.cfg, self.last_writes))
+            self.watch.result(self._on_learner(stages.save_checkpoint, self.cfg, [w for w, _ in self.unpassed]))
         self.params.clear()
         self.made.clear()
-        self.last_writes, self.last_held = [], []
+        self.unpassed = []
         return rows
 
     def _evaluate_now(self, i: int) -> dict:
@@ -439,6 +448,9 @@ class Dataflow:
                 "breakdown_s": {k: float(v) for k, v in self.breakdown.items()}}
 
 
+# iterations trained whose rows still wait for their region writes (or evaluation), beyond
+# the K + 2 in flight, before no more are submitted
+WRITES_BEHIND = 2
 MAX_LEARNER_MOVES = 3  # a learner that keeps losing its worker stops the run instead
 DRAIN_S = 300.0  # how long a move waits for the old dataflow's region writes to finish
 
