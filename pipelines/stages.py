@@ -340,6 +340,8 @@ def rollout(config, collector: int, iteration: int, params, param_version: int, 
                 # the learner takes the region as the device holds it; `write` copies it to the
                 # host off the learner's path (a TPU's host copy was as long as its rollouts)
                 data = {name: data[name].astype(field.dtype) for name, field in state.store.fields.items()}
+                for array in data.values():  # the copies start now, beside the learner's updates
+                    array.copy_to_host_async()
             else:
                 data = state.store.conform(region_id, _to_numpy(data))
             stats = _scalars(stats)
