@@ -268,7 +268,9 @@ class Dataflow:
         checkpoint = last or (i + 1) % config.checkpoint_every == 0
         # a train call takes the writes finished by now (their regions are committed: it records
         # the version that first trained on each) and does not wait for the others, so the
-        # learner never waits on the disk; a checkpointing call waits for every region it covers
+        # learner never waits on the disk; a checkpointing call waits for every region it covers.
+        # A disk slower than the learner holds the collectors back instead (stages.PENDING_WRITES),
+        # and with them the learner: the regions in memory stay bounded
         self.unpassed += [(w, self._version(version)) for w in writes]
         given = lambda write: checkpoint or write.status == "finished"
         passed = [(w, held) for w, held in self.unpassed if given(w)]
@@ -315,12 +317,9 @@ class Dataflow:
         self.waiting[future] = (it, kind)
 
     def _fill(self):
-        """Keeps K + 2 iterations submitted beyond the last one the learner finished, and at
-        most WRITES_BEHIND more whose regions are still being written (or evaluated): the
-        learner runs ahead of the disk, and the regions in memory stay bounded."""
+        """Keeps K + 2 iterations submitted beyond the last one the learner finished."""
         horizon = min(self.config.n_iterations, self.trained + self.lag + 2)
-        while (not self.stopped_early and self.next_to_submit < horizon
-               and len(self.pending) < self.lag + 2 + WRITES_BEHIND):
+        while not self.stopped_early and self.next_to_submit < horizon:
             self._submit(self.next_to_submit)
 
     # ------------------------------------------------------------------- the loop
@@ -448,9 +447,6 @@ class Dataflow:
                 "breakdown_s": {k: float(v) for k, v in self.breakdown.items()}}
 
 
-# iterations trained whose rows still wait for their region writes (or evaluation), beyond
-# the K + 2 in flight, before no more are submitted
-WRITES_BEHIND = 2
 MAX_LEARNER_MOVES = 3  # a learner that keeps losing its worker stops the run instead
 DRAIN_S = 300.0  # how long a move waits for the old dataflow's region writes to finish
 

@@ -174,6 +174,58 @@ def _drop_replicas_held_by_both(learner, victim, dask_scheduler=None):
             if ts.who_wants and ts.state == "memory" and ("itemgetter('params')" in str(key) or str(key).startswith("_alias"))}
 
 
+_DISK = threading.Event()  # a disk that accepts nothing until the test lets it
+_WRITES_BLOCKED: list[int] = []
+
+
+def _slow_write_region(self, region_id, *args, **kwargs):
+    _WRITES_BLOCKED.append(region_id)
+    assert _DISK.wait(120), "the test never opened the disk"
+    return _WRITE_REGION(self, region_id, *args, **kwargs)
+
+
+_WRITE_REGION = ReplayStore.write_region
+
+
+def test_the_learner_trains_past_a_stalled_disk_and_the_collectors_hold_back(tmp_path, monkeypatch):
+    from distributed import Client
+
+    from pipelines import cluster
+
+    # worker threads of this process, so the store's write path can be held back from here
+    monkeypatch.setattr(ReplayStore, "write_region", _slow_write_region)
+    _DISK.clear()
+    _WRITES_BLOCKED.clear()
+    config = make_run_config(TINY, run_dir=str(tmp_path / "stalled"), total_env_steps=8 * 512,
+                             overrides={"learning_starts": "1", "checkpoint_every": "100", "eval_every": "100"})
+    outcome = {}
+    with cluster.make_cluster(n_workers=3, kind="threads") as threads, Client(threads) as client:
+        start = client.submit(stages.prepare_run, config.to_dict(), pure=False).result()
+        flow = Dataflow(client, config, start, Placement.on(client, config))
+        thread = threading.Thread(target=lambda: outcome.update(rows=flow.run()))
+        thread.start()
+        try:
+            deadline = time.time() + 120
+            while time.time() < deadline and flow.trained < 2:
+                time.sleep(0.05)
+            trained = flow.trained
+            time.sleep(2.0)
+            # at K = 0 the learner trained iteration 1 with no region of iteration 0 on disk (it
+            # used to wait for them), then stopped: the collectors, whose first regions are still
+            # being written, hold back (stages.PENDING_WRITES), so nothing piles up in memory
+            assert flow.trained == trained >= 2, (trained, flow.trained)
+            assert sorted(_WRITES_BLOCKED) == list(range(stages.PENDING_WRITES * config.n_collectors))
+            assert flow.next_to_submit <= flow.trained + 2
+        finally:
+            _DISK.set()
+            thread.join(timeout=120)
+        client.run(stages.forget_run, config.run_dir)
+    assert [r["iteration"] for r in outcome["rows"]] == list(range(1, 9))
+    store = ReplayStore.open(config.store_path)
+    assert [r for r, _ in store.committed()] == list(range(16))
+    assert (open_replay(config.store_path).trained_version.values >= 0).all()  # every region's recorded
+
+
 def test_a_killed_evaluator_mid_evaluation_is_resubmitted(tmp_path, three_workers):
     client = three_workers
     iterations = 12
