@@ -64,7 +64,7 @@ case "$SIZE" in
   full)
     BUDGET=${GPU_CHECK_BUDGET_S:-360}
     DD_MB=2048
-    WRITE=(--sizes 8192x32 65536x16 --repeats 2 1 --variants "store (zstd 0, fsync)" "zstd 1, fsync"
+    WRITE=(--sizes 8192x32 65536x16 --repeats 2 1 --variants "store (zstd 1, fsync)" "zstd 0 (level 3), fsync"
            "blosc lz4 no shuffle, fsync" "none, fsync")
     COLLECT=("65536 16 2" "1024 32 8" "8192 32 4")   # envs, steps per region, repeats; the target's N first
     LEARN_S=5
@@ -73,7 +73,7 @@ case "$SIZE" in
   small)
     BUDGET=${GPU_CHECK_BUDGET_S:-600}
     DD_MB=128
-    WRITE=(--sizes 32x32 128x32 --repeats 5 3 --variants "store (zstd 0, fsync)" "zstd 0, no fsync"
+    WRITE=(--sizes 32x32 128x32 --repeats 5 3 --variants "store (zstd 1, fsync)" "zstd 1, no fsync"
            "none, fsync" "previous (zstd 0, 1 chunk, scan, no fsync)")
     COLLECT=("64 16 3")
     LEARN_S=1

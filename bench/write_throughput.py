@@ -7,6 +7,10 @@ region sizes, on real SMAX 3m regions collected by the QMIX policy (epsilon 0.1)
 Each repeat writes one region with every variant in turn (raw first), into stores of 4 ring
 slots, so the variants share the machine's state; the table gives medians. MB/s counts the
 region's uncompressed bytes. Writes bench/results/write_throughput.{json,md,png}.
+
+`--preset mappo-mpe` writes MPE simple_spread regions of the MAPPO policy instead (float
+observations that hardly compress, where SMAX's are mostly zeros), as
+bench/results/write_throughput-mappo-mpe.*.
 """
 
 from __future__ import annotations
@@ -36,21 +40,21 @@ def variants() -> dict[str, dict]:
     from storage.replay import CODEC
 
     return {
-        "store (zstd 0, fsync)": {"compressors": CODEC},
-        "zstd 0, no fsync": {"compressors": CODEC, "durable": False},
-        "zstd 1, fsync": {"compressors": (ZstdCodec(level=1),)},
+        "store (zstd 1, fsync)": {"compressors": CODEC},
+        "zstd 1, no fsync": {"compressors": CODEC, "durable": False},
+        "zstd 0 (level 3), fsync": {"compressors": (ZstdCodec(level=0),)},
         "blosc lz4 shuffle, fsync": {"compressors": (BloscCodec(cname="lz4", clevel=5, shuffle="shuffle"),)},
         "blosc lz4 no shuffle, fsync": {"compressors": (BloscCodec(cname="lz4", clevel=5, shuffle="noshuffle"),)},
         "blosc zstd 1 shuffle, fsync": {"compressors": (BloscCodec(cname="zstd", clevel=1, shuffle="shuffle"),)},
         "none, fsync": {"compressors": ()},
-        "previous (zstd 0, 1 chunk, scan, no fsync)": {"compressors": CODEC, "durable": False,
+        "previous (zstd 0, 1 chunk, scan, no fsync)": {"compressors": (ZstdCodec(level=0),), "durable": False,
                                                        "chunk_bytes": 2**62, "previous": True},
     }
 
 
-def collect_region(n_envs: int, n_steps: int) -> tuple[dict, dict]:
-    """One real region: the qmix-smac preset's policy acting in SMAX 3m (a second region, so
-    episodes are under way), as the collect stage hands it to the store."""
+def collect_region(preset: str, n_envs: int, n_steps: int) -> tuple[dict, dict]:
+    """One real region: the preset's policy acting in its env (qmix-smac: SMAX 3m; a second
+    region, so episodes are under way), as the collect stage hands it to the store."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -59,7 +63,7 @@ def collect_region(n_envs: int, n_steps: int) -> tuple[dict, dict]:
     from pipelines.config import make_run_config
     from pipelines.stages import RunParts, replay_fields
 
-    config = make_run_config("qmix-smac", run_dir=tempfile.mkdtemp(prefix="write-bench-"),
+    config = make_run_config(preset, run_dir=tempfile.mkdtemp(prefix="write-bench-"),
                              overrides={"envs_per_collector": n_envs, "steps_per_region": n_steps})
     parts = RunParts.build(config)
     learner = parts.learner
@@ -100,9 +104,10 @@ def dir_bytes(path: str) -> int:
     return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(path) for f in fs)
 
 
-def measure(size: str, repeats: int, root: str, only: list[str] | None, out: str | None) -> list[dict]:
+def measure(preset: str, size: str, repeats: int, root: str, only: list[str] | None,
+            out: str | None) -> list[dict]:
     n_envs, n_steps = (int(x) for x in size.split("x"))
-    data, fields = collect_region(n_envs, n_steps)
+    data, fields = collect_region(preset, n_envs, n_steps)
     nbytes = sum(a.nbytes for a in data.values())
     todo = {k: v for k, v in variants().items() if not only or k in only}
     stores = {name: make_store(os.path.join(root, f"{size}-{i}"), fields, n_envs, n_steps, kw)
@@ -128,7 +133,7 @@ def measure(size: str, repeats: int, root: str, only: list[str] | None, out: str
             stored = sum(dir_bytes(os.path.join(store.path, f, "c")) for f in fields)
             ratio = min(repeats + 1, N_SLOTS) * nbytes / stored
         mbps = nbytes / statistics.median(ts) / 1e6
-        rows.append({"size": size, "n_envs": n_envs, "steps": n_steps, "region_mb": nbytes / 1e6,
+        rows.append({"preset": preset, "size": size, "n_envs": n_envs, "steps": n_steps, "region_mb": nbytes / 1e6,
                      "variant": name, "median_s": statistics.median(ts), "min_s": min(ts),
                      "mb_per_s": mbps, "x_raw": mbps / raw_mbps, "compression": ratio,
                      "chunks_obs": list(store._arrays["obs"].chunks) if store else None})
@@ -148,18 +153,20 @@ def main():
     parser.add_argument("--dir", default=None, help="where to write (default: a temp dir)")
     parser.add_argument("--variants", nargs="+", default=None, help="only these write paths (names as in the table)")
     parser.add_argument("--out", default=None, help="also append each row to OUT/rows.jsonl")
+    parser.add_argument("--preset", default="qmix-smac", help="whose policy and env make the regions (qmix-smac: SMAX 3m)")
     args = parser.parse_args()
+    name = "write_throughput" if args.preset == "qmix-smac" else f"write_throughput-{args.preset}"
     repeats = args.repeats if len(args.repeats) == len(args.sizes) else args.repeats[:1] * len(args.sizes)
     root = tempfile.mkdtemp(prefix="write-throughput-", dir=args.dir)
     rows = []
     try:
         for size, n in zip(args.sizes, repeats):
-            rows += measure(size, n, root, args.variants, args.out)
+            rows += measure(args.preset, size, n, root, args.variants, args.out)
     finally:
         shutil.rmtree(root, ignore_errors=True)
 
     plt = report.save(
-        "write_throughput", {"rows": rows, "cpus": os.cpu_count()},
+        name, {"rows": rows, "cpus": os.cpu_count(), "preset": args.preset},
         ["region (envs x steps)", "MB", "write path", "MB/s (median)", "x raw", "compression", "obs chunk (steps)"],
         ["---:", "---:", "---", "---:", "---:", "---:", "---:"],
         [[r["size"], f"{r['region_mb']:.1f}", r["variant"], f"{r['mb_per_s']:,.0f}", f"{r['x_raw']:.2f}",
@@ -174,9 +181,9 @@ def main():
         ax.set_yticks(range(len(names)), names, fontsize=7)
         ax.invert_yaxis()
         ax.set_xlabel("MB/s (uncompressed region bytes)")
-        ax.set_title(f"SMAX 3m region {size} ({mine[names[0]]['region_mb']:.1f} MB)")
+        ax.set_title(f"{args.preset} region {size} ({mine[names[0]]['region_mb']:.1f} MB)")
     fig.tight_layout()
-    fig.savefig(report.figure_path("write_throughput"), dpi=120)
+    fig.savefig(report.figure_path(name), dpi=120)
 
 
 if __name__ == "__main__":

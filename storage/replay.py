@@ -13,7 +13,7 @@ Layout of one store (a Zarr v3 group at ``path``)::
                               (images of many envs), one step cut along the env axis (then
                               the field's own axes) to fit (chunk_shape); dimension_names
                               ("step", "env", *field.dims);
-                              codecs zstd level 0 (chosen by bench/write_throughput.py) then
+                              codecs zstd level 1 (chosen by bench/write_throughput.py) then
                               crc32c (every array), every chunk written (also one equal to the
                               fill value)
     region/ iteration/ collector/ param_version/
@@ -97,13 +97,14 @@ _STORE_KEYS = ("schema_version", "n_envs", "steps_per_region", "n_slots", "field
 # once (a GPU run's regions are GBs); on 2 cores 16 MiB and whole-region chunks measured the
 # same and 1 MiB chunks at half the speed (per-chunk overhead), see bench/write_throughput.py.
 CHUNK_BYTES = 16 * 2**20
-# zstd at its default level (0 = 3), zarr's default: SMAX regions about 16x smaller; on 2
-# cores as fast as blosc-lz4 with shuffle (5x) and zstd 1 (12x), faster than no compression
-# once the bytes must reach the disk; blosc-lz4 without shuffle wrote 1.5x faster but kept
-# 2.3x the bytes (bench/write_throughput.py, BENCHMARKS.md)
+# zstd level 1: faster than zarr's default level (0 = 3) in every region measured (1.1-1.4x
+# on SMAX regions, 12-16x smaller either way; 1.5x on MPE's float regions, 1.6x smaller
+# either way, where level 3's encode held the write to a third of a TPU machine's disk), and
+# faster than no compression once the bytes must reach the disk; blosc-lz4 without shuffle
+# wrote faster still but kept 1.3-2.3x the bytes (bench/write_throughput.py, BENCHMARKS.md)
 # then a crc32c checksum of the compressed bytes (4 bytes per chunk), checked on every read
 CHECKSUM = zarr.codecs.Crc32cCodec()
-CODEC = (zarr.codecs.ZstdCodec(level=0), CHECKSUM)
+CODEC = (zarr.codecs.ZstdCodec(level=1), CHECKSUM)
 # zarr's all-equal-to-fill scan of every chunk before writing it cost more than zstd itself;
 # and a committed region then has every chunk on disk
 _WRITE_CONFIG = {"write_empty_chunks": True}

@@ -151,7 +151,7 @@ def test_replay_info_and_episodes_cli(run, tmp_path, capsys):
     run_dir, stats = run
     assert main(["replay", "info", run_dir]) == 0  # a run dir resolves to its store
     out = capsys.readouterr().out
-    for words in ("env smax:3m", "6 regions", "3 agents", "obs_dim", "32x8x3x75", "zstd(level=0)",
+    for words in ("env smax:3m", "6 regions", "3 agents", "obs_dim", "32x8x3x75", "zstd(level=1)",
                   "size on disk", "step,env,agent,obs_dim"):
         assert words in out, words
     assert main(["replay", "info", str(tmp_path)]) == 2
