@@ -14,9 +14,9 @@
 # streamed); the whole MAPPO loop through the stages vs the plain fused loop; learner
 # updates/s per preset; the QMIX and MADDPG loops (bench/gpu_check.py); and, asked for by name,
 # "compile": trace, compile, first and steady call of each env family's rollout, apart
-# (bench/compile_probe.py). Measured on this
-# 2-core CPU (GPU_CHECK_SIZE=small, every part, 2026-12-05): 98-107 s end to end. Results
-# go to $OUT as three files, appended as they are measured: rows.jsonl (every row, tagged with its part), tables.md, log.txt (the
+# (bench/compile_probe.py). Measured on this 2-core CPU (GPU_CHECK_SIZE=small, the default
+# parts, 2026-12-05): 98-107 s end to end. Results go to $OUT as three files, appended as they
+# are measured: rows.jsonl (every row, tagged with its part), tables.md, log.txt (the
 # benchmarks' own json/md/png go to $GPU_CHECK_DIR/gpu-check-results, never to bench/results).
 #
 # The wheels for a TPU machine (Python 3.11, JAX 0.10.2 already there; see BENCHMARKS.md, "The

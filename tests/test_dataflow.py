@@ -157,7 +157,8 @@ def test_a_killed_collector_is_resubmitted_and_every_region_lands_once(tmp_path,
     store = ReplayStore.open(store_path)
     assert [r for r, _ in store.committed()] == list(range(32))
     assert store.total_regions_committed() == 32
-    assert sources and all(holders == [[where.learner]] for holders in sources.values()), "\n".join(f"{k} {v}" for k, v in sources.items())
+    assert sources and all(holders == [[where.learner]] for holders in sources.values()), \
+        "\n".join(f"{key} {holders}" for key, holders in sources.items())
 
 
 def _drop_replicas_held_by_both(learner, victim, dask_scheduler=None):
@@ -171,7 +172,8 @@ def _drop_replicas_held_by_both(learner, victim, dask_scheduler=None):
         dask_scheduler.request_remove_replicas(learner, keys, stimulus_id=f"test-drop-{time.time()}")
     return {key: [sorted(ws.address for ws in d.who_has or ()) for d in ts.dependencies]
             for key, ts in dask_scheduler.tasks.items()
-            if ts.who_wants and ts.state == "memory" and ("itemgetter('params')" in str(key) or str(key).startswith("_alias"))}
+            if ts.who_wants and ts.state == "memory"
+            and ("itemgetter('params')" in str(key) or str(key).startswith("_alias"))}
 
 
 _DISK = threading.Event()  # a disk that accepts nothing until the test lets it
