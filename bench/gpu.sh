@@ -32,7 +32,9 @@
 # GPU_CHECK_BUDGET_S (default 360 full, 600 small), GPU_CHECK_PARTS (default "write collect
 # loop:mappo learners loop:qmix loop:maddpg", run in that order), GPU_CHECK_COLLECT (the N to
 # run, default all), GPU_CHECK_LAGS (default "0 1"), GPU_CHECK_OVERRIDES and GPU_CHECK_ENV_STEPS
-# (the loops' settings and env-step budget, plain and stages alike), GPU_CHECK_PRESETS (the learners part's,
+# (the loops' settings and env-step budget, plain and stages alike), GPU_CHECK_WRITE_ARGS (the
+# write part's bench/write_throughput.py arguments, as shell words, e.g. '--preset mappo-mpe
+# --sizes 4096x128 --repeats 3 --variants "none, fsync"'), GPU_CHECK_PRESETS (the learners part's,
 # default "qmix-smac mappo-mpe maddpg-mpe"), GPU_CHECK_PROBE_ARGS (the compile part's, default
 # "--envs 4096 --case-timeout-s 50"), PYTHON (default python3), GPU_CHECK_DIR (where
 # stores are written, default $TMPDIR or /tmp).
@@ -81,6 +83,7 @@ case "$SIZE" in
     PROBE_DEFAULT="--envs 16 --steps 8 --case-timeout-s 60" ;;
   *) echo "GPU_CHECK_SIZE must be full or small, got '$SIZE'" >&2; exit 2 ;;
 esac
+[ -n "${GPU_CHECK_WRITE_ARGS:-}" ] && eval "WRITE=($GPU_CHECK_WRITE_ARGS)"   # the write part's arguments
 PROBE_ARGS=${GPU_CHECK_PROBE_ARGS:-$PROBE_DEFAULT}   # bench/compile_probe.py's arguments (the compile part)
 
 left() { echo $(( BUDGET - ($(date +%s) - BEGAN) )); }
@@ -159,7 +162,9 @@ for what in $PARTS; do
   case "$what" in
     write)  # the write path only: the region is made on the CPU (a TPU compiles SMAX for minutes)
       part write_throughput 150 env JAX_PLATFORMS=cpu "$PY" bench/write_throughput.py "${WRITE[@]}" --dir "$DIR" --out "$OUT"
-      [ -f "$RESULTS/write_throughput.md" ] && { echo; echo "### write_throughput"; echo; cat "$RESULTS/write_throughput.md"; } >> "$TABLES" ;;
+      for f in "$RESULTS"/write_throughput*.md; do
+        [ -f "$f" ] && { echo; echo "### $(basename "$f" .md)"; echo; cat "$f"; } >> "$TABLES"
+      done ;;
     collect)
       for spec in "${COLLECT[@]}"; do
         read -r n t r <<< "$spec"

@@ -47,6 +47,7 @@ def variants() -> dict[str, dict]:
         "blosc lz4 no shuffle, fsync": {"compressors": (BloscCodec(cname="lz4", clevel=5, shuffle="noshuffle"),)},
         "blosc zstd 1 shuffle, fsync": {"compressors": (BloscCodec(cname="zstd", clevel=1, shuffle="shuffle"),)},
         "none, fsync": {"compressors": ()},
+        "none, no fsync": {"compressors": (), "durable": False},
         "previous (zstd 0, 1 chunk, scan, no fsync)": {"compressors": (ZstdCodec(level=0),), "durable": False,
                                                        "chunk_bytes": 2**62, "previous": True},
     }
