@@ -1,0 +1,154 @@
+"""How fast a region leaves the device for the host, field by field and whole, by four ways
+of copying it (a TPU keeps an array's two minor dims in (8, 128) tiles, so fields such as
+obs [T, N, 3, 18] are padded and de-tiled on the way out; raveled on the device first,
+each field is one dense run of bytes):
+
+  as is       np.asarray of each field as the rollout left it, one after another
+  async       copy_to_host_async of every field first, then np.asarray of each
+  raveled     each field raveled to 1-D on the device (one jitted call), then as async
+  one buffer  every field raveled and bitcast to bytes, concatenated into one uint8 array
+              on the device, one copy, split on the host (views)
+
+The region is the collect stage's own (marl.rollout.make_collector with the preset's policy
+and env: mappo-mpe by default) at N envs x T steps, as the store holds it (its dtypes). Each
+repeat copies fresh device arrays (a jax array caches its host copy). Every way's host bytes
+are checked equal to "as is".
+
+    python bench/host_copy.py [--preset mappo-mpe] [--envs 4096] [--steps 128] [--repeats 3]
+
+Prints one JSON row per way (and per field for "as is") and writes
+bench/results/host_copy.{json,md} (or $MARL_BENCH_RESULTS; no figure).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import report  # noqa: E402  (bench/report.py)
+
+
+def make_region(preset: str, n_envs: int, n_steps: int):
+    """(a function of a key -> a fresh device region in the store's dtypes, the fields)."""
+    import jax
+    import jax.numpy as jnp
+
+    from marl import rollout
+    from pipelines.config import make_run_config
+    from pipelines.stages import RunParts, replay_fields
+
+    config = make_run_config(preset, run_dir=tempfile.mkdtemp(prefix="host-copy-"),
+                             overrides={"envs_per_collector": n_envs, "steps_per_region": n_steps})
+    parts = RunParts.build(config)
+    learner = parts.learner
+    fields = replay_fields(parts.env.spec, learner)
+    init, collect = rollout.make_collector(parts.env, learner.act, learner.init_carry, n_envs, n_steps)
+    params = learner.policy_params(learner.init(jax.random.PRNGKey(0)))
+    explore = learner.exploration(jnp.float32(10**6))
+    state, _, _ = collect(params, init(jax.random.PRNGKey(1)), explore)
+
+    def region(key):
+        _, data, _ = collect(params, state, explore)
+        # fresh arrays each time (a jax array keeps its host copy once made)
+        data = {n: (data[n] + jax.random.bernoulli(key, 0.0, ())).astype(f.dtype) if data[n].dtype != bool
+                else data[n] ^ jax.random.bernoulli(key, 0.0, ()) for n, f in fields.items()}
+        return jax.block_until_ready(data)
+
+    return region, fields
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--preset", default="mappo-mpe")
+    parser.add_argument("--envs", type=int, default=4096)
+    parser.add_argument("--steps", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    region, fields = make_region(args.preset, args.envs, args.steps)
+    ravel = jax.jit(lambda d: {k: v.reshape(-1) for k, v in d.items()})
+
+    def as_bytes(v):
+        v = v.reshape(-1)
+        return v.astype(jnp.uint8) if v.dtype == jnp.bool_ else jax.lax.bitcast_convert_type(v, jnp.uint8).reshape(-1)
+
+    pack = jax.jit(lambda d: jnp.concatenate([as_bytes(d[k]) for k in sorted(d)]))
+
+    def as_is(d):
+        return {k: np.asarray(v) for k, v in d.items()}
+
+    def async_(d):
+        for v in d.values():
+            v.copy_to_host_async()
+        return {k: np.asarray(v) for k, v in d.items()}
+
+    def raveled(d):
+        flat = ravel(d)
+        for v in flat.values():
+            v.copy_to_host_async()
+        return {k: np.asarray(v).reshape(d[k].shape) for k, v in flat.items()}
+
+    def one_buffer(d):
+        raw, out, at = np.asarray(pack(d)), {}, 0
+        for k in sorted(d):
+            dtype = np.dtype(d[k].dtype)
+            n = int(np.prod(d[k].shape)) * dtype.itemsize
+            out[k] = raw[at:at + n].view(dtype).reshape(d[k].shape)
+            at += n
+        return out
+
+    ways = {"as is": as_is, "async": async_, "raveled": raveled, "one buffer": one_buffer}
+    first = region(jax.random.PRNGKey(0))
+    expect = as_is(first)
+    nbytes = sum(a.nbytes for a in expect.values())
+    for name, way in ways.items():  # warm up (compile) and check the bytes
+        got = way(region(jax.random.PRNGKey(1)))
+        assert all(np.array_equal(got[k], expect[k]) for k in expect), name
+    seconds = {name: [] for name in ways}
+    per_field = {k: [] for k in fields}
+    for r in range(args.repeats):
+        for name, way in ways.items():
+            d = region(jax.random.PRNGKey(2 + r))
+            started = time.perf_counter()
+            way(d)
+            seconds[name].append(time.perf_counter() - started)
+        d = region(jax.random.PRNGKey(100 + r))
+        for k, v in d.items():
+            started = time.perf_counter()
+            np.asarray(v)
+            per_field[k].append(time.perf_counter() - started)
+    device = str(jax.devices()[0])
+    rows = []
+    for name, ts in seconds.items():
+        s = statistics.median(ts)
+        rows.append({"way": name, "field": "(all)", "shape": "", "mb": nbytes / 1e6, "median_s": s,
+                     "mb_per_s": nbytes / s / 1e6, "x_as_is": statistics.median(seconds["as is"]) / s,
+                     "device": device, "envs": args.envs, "steps": args.steps, "preset": args.preset})
+        print(json.dumps(rows[-1]), flush=True)
+    for k, ts in per_field.items():
+        s, b = statistics.median(ts), expect[k].nbytes
+        rows.append({"way": "as is", "field": k, "shape": "x".join(map(str, expect[k].shape)) + f" {expect[k].dtype}",
+                     "mb": b / 1e6, "median_s": s, "mb_per_s": b / s / 1e6, "x_as_is": None,
+                     "device": device, "envs": args.envs, "steps": args.steps, "preset": args.preset})
+        print(json.dumps(rows[-1]), flush=True)
+    print(f"{args.preset} region, {args.envs} envs x {args.steps} steps, {nbytes / 1e6:.1f} MB, "
+          f"on {device}; medians of {args.repeats}")
+    report.save("host_copy", {"rows": rows}, ["way", "field", "shape", "MB", "s", "MB/s", "x as is"],
+                ["---", "---", "---", "---:", "---:", "---:", "---:"],
+                [[r["way"], r["field"], r["shape"], f"{r['mb']:.1f}", f"{r['median_s']:.3f}", f"{r['mb_per_s']:,.0f}",
+                  "" if r["x_as_is"] is None else f"{r['x_as_is']:.2f}"] for r in rows])
+
+if __name__ == "__main__":
+    main()
