@@ -14,7 +14,8 @@
 # streamed); the whole MAPPO loop through the stages vs the plain fused loop; learner
 # updates/s per preset; the QMIX and MADDPG loops (bench/gpu_check.py); and, asked for by name,
 # "compile": trace, compile, first and steady call of each env family's rollout, apart
-# (bench/compile_probe.py). Measured on this 2-core CPU (GPU_CHECK_SIZE=small, the default
+# (bench/compile_probe.py), and "hostcopy": how fast a region leaves the device
+# (bench/host_copy.py). Measured on this 2-core CPU (GPU_CHECK_SIZE=small, the default
 # parts, 2026-12-05): 98-107 s end to end. Results go to $OUT as three files, appended as they
 # are measured: rows.jsonl (every row, tagged with its part), tables.md, log.txt (the
 # benchmarks' own json/md/png go to $GPU_CHECK_DIR/gpu-check-results, never to bench/results).
@@ -71,7 +72,8 @@ case "$SIZE" in
     COLLECT=("65536 16 2" "1024 32 8" "8192 32 4")   # envs, steps per region, repeats; the target's N first
     LEARN_S=5
     declare -A LOOP_STEPS=([mappo]=1000000 [qmix]=102400 [maddpg]=100000)
-    PROBE_DEFAULT="--envs 4096 --case-timeout-s 50" ;;
+    PROBE_DEFAULT="--envs 4096 --case-timeout-s 50"
+    HOSTCOPY_ARGS="--envs 4096 --steps 128 --repeats 3" ;;
   small)
     BUDGET=${GPU_CHECK_BUDGET_S:-600}
     DD_MB=128
@@ -80,7 +82,8 @@ case "$SIZE" in
     COLLECT=("64 16 3")
     LEARN_S=1
     declare -A LOOP_STEPS=([mappo]=32768 [qmix]=4096 [maddpg]=4000)
-    PROBE_DEFAULT="--envs 16 --steps 8 --case-timeout-s 60" ;;
+    PROBE_DEFAULT="--envs 16 --steps 8 --case-timeout-s 60"
+    HOSTCOPY_ARGS="--envs 64 --steps 16 --repeats 2" ;;
   *) echo "GPU_CHECK_SIZE must be full or small, got '$SIZE'" >&2; exit 2 ;;
 esac
 [ -n "${GPU_CHECK_WRITE_ARGS:-}" ] && eval "WRITE=($GPU_CHECK_WRITE_ARGS)"   # the write part's arguments
@@ -180,9 +183,12 @@ for what in $PARTS; do
     compile)  # where a device's first minutes go: trace, compile, first and steady call per env family
       part compile_probe 240 "$PY" bench/compile_probe.py $PROBE_ARGS
       [ -f "$RESULTS/compile_probe.md" ] && { echo; echo "### compile_probe"; echo; cat "$RESULTS/compile_probe.md"; } >> "$TABLES" ;;
+    hostcopy)  # how fast a region leaves the device: as is, async, raveled first, one buffer
+      part host_copy 120 "$PY" bench/host_copy.py $HOSTCOPY_ARGS
+      [ -f "$RESULTS/host_copy.md" ] && { echo; echo "### host_copy"; echo; cat "$RESULTS/host_copy.md"; } >> "$TABLES" ;;
     learners)
       part learners 90 "$PY" bench/gpu_check.py learners --out "$OUT" --seconds "$LEARN_S" --presets $PRESETS ;;
-    *) echo "unknown part '$what' in GPU_CHECK_PARTS (write, collect, loop:<algo>, learners, compile)" >&2; exit 2 ;;
+    *) echo "unknown part '$what' in GPU_CHECK_PARTS (write, collect, loop:<algo>, learners, compile, hostcopy)" >&2; exit 2 ;;
   esac
 done
 
