@@ -159,7 +159,13 @@ def make_cluster(n_workers: int = 2, kind: str = "auto", dashboard_address: str 
     "gpu", "threads"; with `security`, every connection is TLS."""
     if kind not in {"auto", "cpu", "gpu", "threads"}:
         raise ValueError(f"unknown cluster kind {kind!r}; use auto, cpu, gpu or threads")
-    if kind == "threads" or (kind == "auto" and not gpu_count() and (tpu_count() or not can_listen())):
+    gpus = gpu_count() if kind != "cpu" else 0
+    if kind == "threads" or (kind == "auto" and not gpus and (tpu_count() or not can_listen())):
+        if security is not None:
+            # inproc connections never leave this process, and nothing outside it can connect
+            logging.getLogger(__name__).warning(
+                "TLS does not apply to a threads cluster: its workers are threads of this process "
+                "(Dask's inproc transport, no network connection to encrypt)")
         return _threads_cluster(n_workers, dashboard_address, threads_per_worker, memory_limit)
     tls = {"security": security, "protocol": "tls://"} if security is not None else {}
     env = worker_environment()
@@ -175,7 +181,6 @@ def make_cluster(n_workers: int = 2, kind: str = "auto", dashboard_address: str 
     with dask.config.set({"distributed.nanny.pre-spawn-environ": {
             **dask.config.get("distributed.nanny.pre-spawn-environ", {}), **env, **NANNY_ENVIRON_DROP},
             **SCHEDULER_CONFIG}):
-        gpus = gpu_count() if kind != "cpu" else 0
         if kind == "gpu" and gpus == 0:
             raise RuntimeError("cluster kind 'gpu' asked for but no GPU is visible; use kind='auto' or 'cpu'")
         if gpus:

@@ -50,6 +50,14 @@ def test_self_signed_certificates_are_made_once_and_kept_private(tmp_path):
         tls_security(str(directory))
 
 
+def test_tls_asked_of_a_threads_cluster_says_it_does_not_apply(tmp_path, caplog):
+    # the TPU machines' cluster: workers as threads of this process, nothing on the network
+    with make_cluster(n_workers=1, kind="threads", dashboard_address=None,
+                      security=tls_security(str(tmp_path / "tls"))) as threads:
+        assert all(a.startswith("inproc://") for a in threads.scheduler_info["workers"])
+    assert "TLS does not apply to a threads cluster" in caplog.text
+
+
 def test_scheduler_and_tls_flags_must_agree(tmp_path):
     with pytest.raises(checks.InputError, match="speaks TLS; add --tls"):
         checks.tls_security(False, "tls://127.0.0.1:8786")
