@@ -316,8 +316,9 @@ def rollout(config, collector: int, iteration: int, params, param_version: int, 
     hold it (on a worker thread of the learner's process, on the device, in the store's
     dtypes: `write` copies it to the host). The envs move on to the next region at once.
 
-    Returns {"data": the region's fields, "region", ..., the region's episode stats, and
-    where the time went (rollout, host copy)}. `write` then stores it, while the learner
+    Returns {"data": the region's fields, "host_data": on the device, their raveled copies
+    already on their way to the host (else None), "region", ..., the region's episode stats,
+    and where the time went (rollout, host copy)}. `write` then stores it, while the learner
     (`train`) already trains on the very same arrays: the disk is off the learner's path.
     """
     config = as_config(config)
@@ -336,11 +337,13 @@ def rollout(config, collector: int, iteration: int, params, param_version: int, 
             rstate, data, stats = state.collect(params, before, explore)
             jax.block_until_ready(data)
             rolled = time.perf_counter()
+            host = None
             if _beside_the_learner():
                 # the learner takes the region as the device holds it; `write` copies it to the
                 # host off the learner's path (a TPU's host copy was as long as its rollouts)
                 data = {name: data[name].astype(field.dtype) for name, field in state.store.fields.items()}
-                for array in data.values():  # the copies start now, beside the learner's updates
+                host = _raveled(data)
+                for array in host.values():  # the copies start now, beside the learner's updates
                     array.copy_to_host_async()
             else:
                 data = state.store.conform(region_id, _to_numpy(data))
@@ -348,8 +351,9 @@ def rollout(config, collector: int, iteration: int, params, param_version: int, 
             copied = time.perf_counter()
             # only now: a rollout that raised is retried from the same envs, the same bytes
             state.rollout_state, state.next_iteration = rstate, iteration + 1
-    return {"data": data, **stats, "region": region_id, "collector": collector, "iteration": iteration,
-            "param_version": param_version, "steps": config.envs_per_collector * config.steps_per_region,
+    return {"data": data, "host_data": host, **stats, "region": region_id, "collector": collector,
+            "iteration": iteration, "param_version": param_version,
+            "steps": config.envs_per_collector * config.steps_per_region,
             "rollout_s": rolled - started, "host_copy_s": copied - rolled}
 
 
@@ -372,8 +376,7 @@ def write(config, rolled: dict) -> dict:
         with state.writes:
             waited = time.perf_counter()
             _leave_worker_thread_pool()
-            # (a region left on the device reaches the host here: write_region conforms it)
-            state.store.write_region(region_id, rolled["data"], iteration=rolled["iteration"],
+            state.store.write_region(region_id, _on_host(rolled), iteration=rolled["iteration"],
                                      collector=rolled["collector"], param_version=rolled["param_version"])
         written = time.perf_counter()
         _maybe_fail(config, region_id)
@@ -388,6 +391,22 @@ def collect(config, collector: int, iteration: int, params, param_version: int,
     dict with the write's beside it, which `train` takes as it is."""
     rolled = rollout(config, collector, iteration, params, param_version, env_steps)
     return {**rolled, **write(config, rolled)}
+
+
+# Each field as one dense run on the device before its host copy: a TPU keeps an array's two
+# minor dims in (8, 128) tiles, so fields such as obs [T, N, 3, 18] are padded there and
+# de-tiled on their way out, which is the lead for the TPU loop's 420 MB/s host copies
+# (BENCHMARKS.md, the TPU's third sitting; bench/host_copy.py measures it, not yet run on one).
+_raveled = jax.jit(lambda region: {name: array.reshape(-1) for name, array in region.items()})
+
+
+def _on_host(rolled: dict) -> dict:
+    """The region of a `rollout` in host memory, as the store will hold it (a region left on
+    the device reaches the host here, from its raveled copy)."""
+    if rolled.get("host_data") is None:
+        return rolled["data"]
+    return {name: np.asarray(flat).reshape(rolled["data"][name].shape)
+            for name, flat in rolled["host_data"].items()}
 
 
 def _dask_worker():
