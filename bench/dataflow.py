@@ -16,7 +16,7 @@ the same env steps (test win rate for SMAX, test return for MPE).
 
     python bench/dataflow.py [--algos qmix mappo maddpg] [--seeds 0 1 2]
                              [--settings plain K=0,C=1 K=1,C=1 ...] [--env-steps qmix=100000 ...]
-                             [--results-name dataflow] [--report-only]
+                             [--results-name dataflow] [--report-only] [--set KEY=VALUE ...]
 
 Busy fractions are of the whole wall (start-up compile included); the learner's also of the
 steady state (the iterations after the first evaluation; the learner trains them in order,
@@ -107,7 +107,7 @@ def plain_loop(preset: str, env_steps: int, seed: int, overrides: dict | None = 
 
 
 def pipeline(preset: str, env_steps: int, seed: int, lag: int, collectors: int, run_dir: str,
-             workers: int | None = None, cluster: str = "auto") -> dict:
+             workers: int | None = None, cluster: str = "auto", overrides: dict | None = None) -> dict:
     from flows import train as train_flow
 
     shutil.rmtree(run_dir, ignore_errors=True)
@@ -120,7 +120,8 @@ def pipeline(preset: str, env_steps: int, seed: int, lag: int, collectors: int, 
     try:
         result = train_flow.marl_train(preset=preset, env_steps=env_steps, seed=seed, run_dir=run_dir,
                                        collectors=collectors, n_workers=workers or collectors + 1,
-                                       overrides={"max_policy_lag": str(lag)}, cluster=cluster)
+                                       overrides={**(overrides or {}), "max_policy_lag": str(lag)},
+                                       cluster=cluster)
     finally:
         train_flow.ITERATION_HOOKS.remove(record)
     return {"rows": rows, "dataflow": result["dataflow"]}
@@ -162,7 +163,10 @@ def main():
     parser.add_argument("--run-root", default="runs/bench-dataflow")
     parser.add_argument("--results-name", default="dataflow")
     parser.add_argument("--report-only", action="store_true", help="rebuild the table and figure from the JSON")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="a preset override for every row, plain and pipeline alike (as marl train's --set)")
     args = parser.parse_args()
+    overrides = dict(kv.split("=", 1) for kv in args.set)
     budget = {**BUDGET, **{k: int(v) for k, v in (kv.split("=") for kv in args.env_steps)}}
     if args.report_only:
         import json
@@ -183,13 +187,13 @@ def main():
             for setting in args.settings:
                 started = time.perf_counter()
                 if setting == "plain":
-                    out = plain_loop(preset, budget[algo], seed)
+                    out = plain_loop(preset, budget[algo], seed, overrides)
                 else:
                     parts = dict(part.split("=") if "=" in part else (part, "") for part in setting.split(","))
                     out = pipeline(preset, budget[algo], seed, int(parts["K"]), int(parts["C"]),
                                    os.path.join(args.run_root, f"{algo}-{setting}-{seed}".replace(",", "-")),
                                    workers=int(parts["W"]) if "W" in parts else None,
-                                   cluster="threads" if "threads" in parts else "auto")
+                                   cluster="threads" if "threads" in parts else "auto", overrides=overrides)
                 results.append({"algo": algo, "setting": setting, "seed": seed, **steady(out["rows"]),
                                 "dataflow": out.get("dataflow"), "rows": out["rows"],
                                 "total_wall_s": time.perf_counter() - started})

@@ -60,6 +60,11 @@ class Config:
     gamma: float = 0.99
     gae_lambda: float = 0.95
     clip_eps: float = 0.2  # surrogate ratio clip
+    # clip the ratio around the policy at the update's start (not the one that acted), and
+    # weight each step by how much likelier that policy made its action than the acting one
+    # (decoupled PPO, Hilton et al. 2022): a region acted on by older params (max_policy_lag
+    # > 0) then gets a whole trust region of updates; where they acted, it is plain PPO
+    decoupled_clip: bool = False
     value_clip_eps: float = 0.2  # value clip around the values before the update
     ent_coef: float = 0.01
     vf_coef: float = 0.5
@@ -341,7 +346,8 @@ def make_learner(spec: EnvSpec, config: Config):
 
     def prepare(old_params, batch, shaping_coef=None):
         """Advantages and value targets of sequences [B, T] with the critic that acted, of
-        the env's reward plus `shaping_coef` x its shaping term where shaping is on.
+        the env's reward plus `shaping_coef` x its shaping term where shaping is on (and,
+        with decoupled_clip, the actor's log-probabilities before the update).
 
         The last step of each sequence has no next observation here (it is the first
         step of the next region), so its transition is dropped from the loss and its
@@ -354,6 +360,8 @@ def make_learner(spec: EnvSpec, config: Config):
             reward = reward + shaping_coef * batch["shaped_reward"]
         adv, targets = gae(reward[:, :-1], batch["terminated"][:, :-1], cut, value,
                            config.gamma, config.gae_lambda)
+        if config.decoupled_clip:  # the proximal policy: the actor before this update
+            batch = {**batch, "logp_proximal": log_prob_and_entropy(old_params["actor"], batch)[0]}
         return {**batch, "advantage": adv, "target": targets, "value_old": value[:, :-1],
                 "weight": (~cut).astype(jnp.float32)}
 
@@ -364,13 +372,18 @@ def make_learner(spec: EnvSpec, config: Config):
         logp, entropy = logp[:, :-1], entropy[:, :-1]
         weight = jnp.broadcast_to(batch["weight"][..., None], logp.shape)
         mean = lambda x: jnp.sum(weight * x) / jnp.maximum(weight.sum(), 1.0)
-        log_ratio = logp - batch["logp"][:, :-1]
+        behaviour = batch["logp"][:, :-1]
+        proximal = batch["logp_proximal"][:, :-1] if config.decoupled_clip else behaviour
+        log_ratio = logp - proximal
         ratio = jnp.exp(log_ratio)
         adv = batch["advantage"]
         adv_mean = mean(adv)
         adv = (adv - adv_mean) / (jnp.sqrt(mean((adv - adv_mean) ** 2)) + 1e-8)
         clipped = jnp.clip(ratio, 1.0 - config.clip_eps, 1.0 + config.clip_eps)
-        actor_loss = -mean(jnp.minimum(ratio * adv, clipped * adv))
+        surrogate = jnp.minimum(ratio * adv, clipped * adv)
+        if config.decoupled_clip:  # the acting policy -> the proximal one (no gradient)
+            surrogate = jnp.exp(proximal - behaviour) * surrogate
+        actor_loss = -mean(surrogate)
         value = values(params["critic"], batch)[:, :-1]
         old = batch["value_old"]
         value_clipped = old + jnp.clip(value - old, -config.value_clip_eps, config.value_clip_eps)

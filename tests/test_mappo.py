@@ -118,6 +118,30 @@ def test_one_update_on_a_fixed_batch_lowers_its_loss(which, request):
     assert all(jax.tree.leaves(changed))
 
 
+def test_a_lagged_region_gets_a_whole_trust_region_with_the_decoupled_clip(feed_forward):
+    env, learner, state, data, seq = feed_forward
+    decoupled = mappo.make_learner(env.spec, dataclasses.replace(learner.config, decoupled_clip=True))
+    plain_loss, decoupled_loss = jax.jit(learner.loss_fn), jax.jit(decoupled.loss_fn)
+    # where the learner's params are the ones that acted, it is plain PPO
+    old = state["params"]
+    (p, p_parts), (d, d_parts) = plain_loss(old, old, seq), decoupled_loss(old, old, seq)
+    np.testing.assert_allclose(float(d), float(p), rtol=1e-5)
+    np.testing.assert_allclose(float(d_parts["actor_loss"]), float(p_parts["actor_loss"]), rtol=1e-5, atol=1e-7)
+    # the learner some updates ahead of the params that acted (max_policy_lag > 0): plain PPO
+    # starts with ratios off 1 and some steps already clipped (no gradient), the decoupled
+    # clip starts from ratio 1 everywhere
+    ahead = state
+    for _ in range(4):
+        ahead, _ = learner.train(ahead, region(data), jnp.ones(1, bool), 1)
+    _, lagged = plain_loss(ahead["params"], ahead["params"], seq)
+    _, fresh = decoupled_loss(ahead["params"], ahead["params"], seq)
+    assert float(lagged["clip_frac"]) > 0.0 and float(lagged["approx_kl"]) > 1e-4
+    assert float(fresh["clip_frac"]) == 0.0 and abs(float(fresh["approx_kl"])) < 1e-6
+    moved, _ = decoupled.train(ahead, region(data), jnp.ones(1, bool), 1)
+    after, _ = decoupled_loss(moved["params"], ahead["params"], seq)
+    assert float(after) < float(decoupled_loss(ahead["params"], ahead["params"], seq)[0])
+
+
 def test_the_reward_shaping_coefficient_falls_linearly_over_its_horizon():
     coef = mappo.reward_shaping(2_500_000)  # JaxMARL's REW_SHAPING_HORIZON for Overcooked
     for env_steps, want in [(0, 1.0), (625_000, 0.75), (1_250_000, 0.5), (2_500_000, 0.0), (5_000_000, 0.0)]:
