@@ -246,6 +246,11 @@ def make_run_config(preset: str, *, env_id: str | None = None, total_env_steps: 
         if team.get("opponent") and str(team["opponent"]) not in FIXED_OPPONENTS:
             team["opponent"] = os.path.abspath(str(team["opponent"]))  # the workers' cwd may differ
         run_values["env_kwargs"] = {**run_values.get("env_kwargs", {}), **team}
+    if "decoupled_clip" in algo_fields and "decoupled_clip" not in algo_overrides:
+        # PPO on regions that older params acted on clips around the policy at each update's
+        # start (at max_policy_lag 1-2 it kept MAPPO's return at K = 0's, BENCHMARKS.md); at
+        # K = 0 the acting policy is that policy, and the update stays exactly plain PPO
+        algo_overrides["decoupled_clip"] = int(run_values.get("max_policy_lag", 0)) > 0
     config = RunConfig(preset=preset, algo_overrides=algo_overrides, **run_values)
     for key in ("total_env_steps", "n_collectors", "envs_per_collector", "steps_per_region", "n_seeds",
                 "buffer_transitions", "eval_every", "eval_episodes", "checkpoint_every"):

@@ -142,6 +142,14 @@ def test_a_lagged_region_gets_a_whole_trust_region_with_the_decoupled_clip(feed_
     assert float(after) < float(decoupled_loss(ahead["params"], ahead["params"], seq)[0])
 
 
+def test_the_decoupled_clip_follows_the_policy_lag_unless_set():
+    decoupled = lambda preset, **o: getattr(make_run_config(preset, overrides=o).algo_config(), "decoupled_clip", None)
+    assert decoupled("mappo-mpe") is False and decoupled("ippo-mpe", max_policy_lag="1") is True
+    assert decoupled("mappo-mpe", max_policy_lag="2", decoupled_clip="false") is False
+    assert decoupled("mappo-mpe", decoupled_clip="true") is True
+    assert decoupled("qmix-smac", max_policy_lag="1") is None  # off-policy learners have no ratio
+
+
 def test_the_reward_shaping_coefficient_falls_linearly_over_its_horizon():
     coef = mappo.reward_shaping(2_500_000)  # JaxMARL's REW_SHAPING_HORIZON for Overcooked
     for env_steps, want in [(0, 1.0), (625_000, 0.75), (1_250_000, 0.5), (2_500_000, 0.0), (5_000_000, 0.0)]:
