@@ -52,6 +52,9 @@ class Config:
     # burn_in + seq_len <= steps per region
     burn_in: int = 0
     episode_windows: bool = False  # True: windows start only where an episode starts
+    # each agent also sees its own previous action, one-hot (pymarl's obs_last_action; zero
+    # at an episode's first step and, in training, at a window's first, like the memory)
+    last_action: bool = False
     updates_per_region: int = 8  # gradient updates per newly collected region
     target_update_interval: int = 200  # in updates
     eps_start: float = 1.0
@@ -151,6 +154,9 @@ def make_learner(spec: EnvSpec, config: Config):
                          "use a discrete env or an actor-critic preset")
     if config.mixer not in MIXERS:
         raise ValueError(f"unknown mixer {config.mixer!r}; valid: {', '.join(MIXERS)}")
+    if config.last_action and spec.obs_shape:
+        raise ValueError(f"last_action=true needs vector observations and {spec.env_id} gives images; "
+                         "drop the setting")
     agent = AgentRNN(config.hidden, spec.n_actions, encoders.for_image(spec.obs_shape))
     mixer = (Mixer(config.mixer_embed, config.hypernet_embed, encoders.for_image(spec.state_shape))
              if config.mixer == "qmix" else MIXERS[config.mixer]())
@@ -158,15 +164,22 @@ def make_learner(spec: EnvSpec, config: Config):
                             optax.adam(config.lr))
     n_agents = spec.n_agents
 
+    # the acting carry: the GRU memory, then (last_action) the previous action one-hot
+    last_width = spec.n_actions if config.last_action else 0
+
     def init_carry(n_envs):
-        return jnp.zeros((n_envs, n_agents, config.hidden))
+        return jnp.zeros((n_envs, n_agents, config.hidden + last_width))
+
+    def agent_input(obs, last):
+        """What the agent network sees: the observation (and the previous action)."""
+        return jnp.concatenate([obs, last.astype(obs.dtype)], axis=-1) if last_width else obs
 
     def init(key) -> dict:
         k_agent, k_mixer, key = jax.random.split(key, 3)
         (obs_shape, obs_dtype), (state_shape, state_dtype) = spec.agent_obs, spec.global_state
-        obs = jnp.zeros((1, n_agents, *obs_shape), obs_dtype)
+        obs = agent_input(jnp.zeros((1, n_agents, *obs_shape), obs_dtype), jnp.zeros((1, n_agents, last_width)))
         params = {
-            "agent": agent.init(k_agent, init_carry(1), obs, jnp.zeros((1, n_agents), bool)),
+            "agent": agent.init(k_agent, jnp.zeros((1, n_agents, config.hidden)), obs, jnp.zeros((1, n_agents), bool)),
             "mixer": mixer.init(k_mixer, jnp.zeros((1, n_agents)), jnp.zeros((1, *state_shape), state_dtype)),
         }
         return {"params": params, "target_params": params, "opt_state": optimizer.init(params),
@@ -177,13 +190,17 @@ def make_learner(spec: EnvSpec, config: Config):
     def act(params, carry, obs, avail, reset, key, explore):
         """Epsilon-greedy over available actions; params are the agent network's."""
         reset = jnp.broadcast_to(reset[:, None], obs.shape[:2])
-        carry, q = agent.apply(params, carry, obs, reset)
+        memory, last = carry[..., :config.hidden], jnp.where(reset[..., None], 0.0, carry[..., config.hidden:])
+        memory, q = agent.apply(params, memory, agent_input(obs, last), reset)
         q = jnp.where(avail, q, -jnp.inf)
         greedy = jnp.argmax(q, axis=-1)
         k_rand, k_explore = jax.random.split(key)
         random = jax.random.categorical(k_rand, jnp.where(avail, 0.0, -jnp.inf))
         explore_mask = jax.random.uniform(k_explore, greedy.shape) < explore["epsilon"]
-        return jnp.where(explore_mask, random, greedy).astype(jnp.int32), carry, {}
+        action = jnp.where(explore_mask, random, greedy).astype(jnp.int32)
+        if last_width:
+            memory = jnp.concatenate([memory, jax.nn.one_hot(action, last_width, dtype=memory.dtype)], axis=-1)
+        return action, memory, {}
 
     def policy_params(train_state):
         return train_state["params"]["agent"]
@@ -196,16 +213,20 @@ def make_learner(spec: EnvSpec, config: Config):
 
     # -------------------------------------------------------------------------- loss
 
-    def unroll(agent_params, obs, reset):
-        """Q-values over a window: obs [B, L, agent, obs...], reset [B, L] -> [B, L, agent, act]."""
+    def unroll(agent_params, obs, reset, action):
+        """Q-values over a window: obs [B, L, agent, obs...], reset [B, L], action [B, L,
+        agent] (for last_action) -> [B, L, agent, act]."""
         batch = obs.shape[0]
+        last = jax.nn.one_hot(action, last_width, dtype=jnp.float32)
+        last = jnp.concatenate([jnp.zeros_like(last[:, :1]), last[:, :-1]], axis=1)
+        obs = agent_input(obs, jnp.where(reset[..., None, None], 0.0, last))
         x = jnp.swapaxes(obs, 0, 1)  # time-major for scan
         r = jnp.broadcast_to(jnp.swapaxes(reset, 0, 1)[..., None], x.shape[:3])
 
         def step(carry, inputs):
             return agent.apply(agent_params, carry, *inputs)
 
-        _, q = jax.lax.scan(step, init_carry(batch), (x, r))
+        _, q = jax.lax.scan(step, jnp.zeros((batch, n_agents, config.hidden)), (x, r))
         return jnp.swapaxes(q, 0, 1)
 
     def td_terms(params, target_params, batch):
@@ -214,8 +235,8 @@ def make_learner(spec: EnvSpec, config: Config):
         # memory restarts at each episode start inside the window (and at its start)
         reset = batch["first"].at[:, 0].set(True)
         cut = transition.cut(batch)
-        q = unroll(params["agent"], batch["obs"], reset)
-        q_target = unroll(target_params["agent"], batch["obs"], reset)
+        q = unroll(params["agent"], batch["obs"], reset, batch["action"])
+        q_target = unroll(target_params["agent"], batch["obs"], reset, batch["action"])
         avail = batch["avail_actions"]
         chosen = jnp.take_along_axis(q, batch["action"][..., None], axis=-1)[..., 0]
         # double Q: the online net picks the next action, the target net scores it

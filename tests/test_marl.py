@@ -236,6 +236,29 @@ def test_qmix_update_fits_a_batch_and_copies_target(smax3m):
     assert all(jax.tree.leaves(same)), "target network not copied at the interval"
 
 
+@pytest.mark.parametrize("last_action", [False, True])
+def test_greedy_acting_and_the_trained_unroll_see_the_same_q_values(smax3m, last_action):
+    """A greedy fresh collector's region, unrolled as a training window from its first step
+    (memory and previous action zeroed there, as acting had them), takes the argmax action at
+    every step, across episode ends; with last_action the agents also see their own
+    previous action, which the acting carry holds one-hot."""
+    import dataclasses
+
+    env, small = smax3m
+    learner = algos.make_learner("qmix", env.spec, dataclasses.replace(small.config, last_action=last_action))
+    init, collect = rollout.make_collector(env, learner.act, learner.init_carry, n_envs=4, n_steps=48)
+    state = learner.init(jax.random.PRNGKey(0))
+    rs, data, _ = collect(learner.policy_params(state), init(jax.random.PRNGKey(1)), learner.greedy)
+    carry = np.asarray(rs.policy_carry)
+    assert carry.shape == (4, 3, 16 + (8 if last_action else 0))
+    if last_action:  # the last step's action, one-hot, unless that step ended its episode
+        live = ~np.asarray(transition.done(data))[-1]
+        np.testing.assert_array_equal(carry[live, :, 16:].argmax(-1), np.asarray(data["action"])[-1][live])
+    assert np.asarray(transition.done(data)).any(), "no episode ended inside the region"
+    scores = learner.score(state, {k: jnp.swapaxes(v, 0, 1) for k, v in data.items()})
+    np.testing.assert_allclose(scores["q_taken"][0], scores["q_max"][0], rtol=1e-5, atol=1e-6)
+
+
 def test_store_fields_derive_from_the_transition():
     spec = envs.spec_of("smax:3m")
     fields = transition.store_fields(spec, {"logp": ((3,), "float32", ("agent",))})
@@ -284,6 +307,11 @@ def test_bad_algorithm_settings():
     with pytest.raises(algos.ConfigError, match="not a valid int"):
         algos.config_for("qmix", {"hidden": "wide"})
     assert algos.config_for("qmix", {"lr": "1e-3", "hidden": "32"}).lr == 1e-3
+    import dataclasses
+
+    images = dataclasses.replace(envs.spec_of("smax:3m"), obs_shape=(8, 8, 3))
+    with pytest.raises(ValueError, match="last_action=true needs vector observations"):
+        algos.make_learner("qmix", images, algos.config_for("qmix", {"last_action": "true"}))
 
 
 def test_lambda_returns_match_a_hand_computed_window():
