@@ -89,10 +89,12 @@ def config_for(algo: str, overrides: dict | None = None):
 def check_env(algo: str, spec: EnvSpec, config=None) -> None:
     """ConfigError where `algo` cannot act in the env's action space (QMIX and its relatives
     pick discrete actions only), or where its `config` asks for reward shaping on an env
-    without a shaping term."""
+    without a shaping term, or for the previous action as an input beside image observations."""
     horizon = getattr(config, "reward_shaping_horizon", 0)
     if horizon and not spec.shaped_reward:
         raise ConfigError(mappo.SHAPING_NEEDS.format(horizon=horizon, env=spec.env_id))
+    if getattr(config, "last_action", False) and spec.obs_shape:
+        raise ConfigError(qmix.LAST_ACTION_NEEDS.format(env=spec.env_id))
     space = "discrete" if spec.discrete else "continuous"
     if space not in module_for(algo).ACTION_SPACES:
         fits = sorted(name for name, (module, _) in ALGORITHMS.items() if space in module.ACTION_SPACES)

@@ -64,6 +64,8 @@ class Config:
 
 
 ACTION_SPACES = ("discrete",)  # one Q-value per action
+LAST_ACTION_NEEDS = ("last_action=true (the SMAX presets' default) needs vector observations and {env} "
+                     "gives images; --set last_action=false")
 
 
 # --------------------------------------------------------------------------- networks
@@ -155,8 +157,7 @@ def make_learner(spec: EnvSpec, config: Config):
     if config.mixer not in MIXERS:
         raise ValueError(f"unknown mixer {config.mixer!r}; valid: {', '.join(MIXERS)}")
     if config.last_action and spec.obs_shape:
-        raise ValueError(f"last_action=true needs vector observations and {spec.env_id} gives images; "
-                         "drop the setting")
+        raise ValueError(LAST_ACTION_NEEDS.format(env=spec.env_id))
     agent = AgentRNN(config.hidden, spec.n_actions, encoders.for_image(spec.obs_shape))
     mixer = (Mixer(config.mixer_embed, config.hypernet_embed, encoders.for_image(spec.state_shape))
              if config.mixer == "qmix" else MIXERS[config.mixer]())

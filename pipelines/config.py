@@ -103,7 +103,7 @@ _QMIX_SMAC = dict(
     envs_per_collector=32, steps_per_region=32, buffer_transitions=1_000_000,
     eval_every=10, checkpoint_every=20,
     algo_overrides=dict(updates_per_region=32, seq_len=16, eps_end=0.01, eps_decay_steps=50_000,
-                        td_lambda=0.6),
+                        td_lambda=0.6, last_action=True),
 )
 
 _MAPPO_MPE = dict(
@@ -127,10 +127,10 @@ _MADDPG_MPE = dict(
 )
 
 PRESETS: dict[str, dict] = {
-    # tuned on a 2-core CPU (BENCHMARKS.md): greedy test win rate 0.83 +- 0.01 on 3m at 1M env
-    # steps over 3 seeds (one old seed reached 0.95, another never learned). Env steps are
-    # nearly free here, so one update per 32 collected steps, short windows and a low final
-    # epsilon buy the most.
+    # tuned on a 2-core CPU (BENCHMARKS.md): greedy test win rate 0.84 +- 0.04 on 3m at 1M env
+    # steps over 3 seeds (0.75-0.83 without last_action, which learns slower early: 0.31 against
+    # 0.48 at 98k). Env steps are nearly free here, so one update per 32 collected steps, short
+    # windows and a low final epsilon buy the most.
     "qmix-smac": _QMIX_SMAC,
     # QMIX's relatives on the same settings: only the mixer differs
     "vdn-smax": {**_QMIX_SMAC, "algo": "vdn"},

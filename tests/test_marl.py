@@ -310,8 +310,11 @@ def test_bad_algorithm_settings():
     import dataclasses
 
     images = dataclasses.replace(envs.spec_of("smax:3m"), obs_shape=(8, 8, 3))
-    with pytest.raises(ValueError, match="last_action=true needs vector observations"):
-        algos.make_learner("qmix", images, algos.config_for("qmix", {"last_action": "true"}))
+    with_last = algos.config_for("qmix", {"last_action": "true"})
+    with pytest.raises(algos.ConfigError, match="needs vector observations and smax:3m gives images; --set last_action=false"):
+        algos.check_env("qmix", images, with_last)  # before anything starts
+    with pytest.raises(ValueError, match="needs vector observations"):
+        algos.make_learner("qmix", images, with_last)
 
 
 def test_lambda_returns_match_a_hand_computed_window():
