@@ -53,12 +53,13 @@ def variants() -> dict[str, dict]:
     }
 
 
-def collect_region(preset: str, n_envs: int, n_steps: int) -> tuple[dict, dict]:
-    """One real region: the preset's policy acting in its env (qmix-smac: SMAX 3m; a second
-    region, so episodes are under way), as the collect stage hands it to the store."""
+def region_maker(preset: str, n_envs: int, n_steps: int):
+    """(a function returning one real region on the device, the store's fields): the
+    preset's policy acting in its env (qmix-smac: SMAX 3m), the collector's second region (so
+    episodes are under way), as the collect stage hands it to the store. Each call rolls the
+    same envs out again: the same values in fresh device arrays."""
     import jax
     import jax.numpy as jnp
-    import numpy as np
 
     from marl import rollout
     from pipelines.config import make_run_config
@@ -72,8 +73,15 @@ def collect_region(preset: str, n_envs: int, n_steps: int) -> tuple[dict, dict]:
     params = learner.policy_params(learner.init(jax.random.PRNGKey(0)))
     explore = learner.exploration(jnp.float32(10**6))
     rs, _, _ = collect(params, init(jax.random.PRNGKey(1)), explore)
-    _, data, _ = collect(params, rs, explore)
-    return {k: np.asarray(v) for k, v in data.items()}, replay_fields(parts.env.spec, learner)
+    return (lambda: jax.block_until_ready(collect(params, rs, explore)[1])), replay_fields(parts.env.spec, learner)
+
+
+def collect_region(preset: str, n_envs: int, n_steps: int) -> tuple[dict, dict]:
+    """One real region (region_maker's) in host memory, and the store's fields."""
+    import numpy as np
+
+    make, fields = region_maker(preset, n_envs, n_steps)
+    return {k: np.asarray(v) for k, v in make().items()}, fields
 
 
 def raw_write(directory: str, data: dict) -> float:
