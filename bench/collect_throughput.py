@@ -132,7 +132,8 @@ def pipeline_collect(client, worker: str, n_envs: int, n_steps: int, repeats: in
     shutil.rmtree(run_dir, ignore_errors=True)
     # rollout and write overlap when streamed: the parts add up to more than the wall time
     return {"steps_per_s": n_envs * n_steps * repeats / seconds, "seconds": seconds,
-            "rollout_s": total("rollout_s") + total("host_copy_s"), "write_s": total("write_s"),
+            "rollout_s": total("rollout_s") + total("host_copy_s") + total("host_wait_s"),
+            "write_s": total("write_s"),
             "write_wait_s": total("write_wait_s"), "store_mib": size / 2**20}
 
 

@@ -398,7 +398,8 @@ class Dataflow:
         self.last_trained = it.trained_at
         collected = m["collected"]
         parts = {"rollout_s": sum(c["rollout_s"] for c in collected),
-                 "host_copy_s": sum(c["host_copy_s"] for c in collected),
+                 # starting the copy (rollout) and waiting for it (write)
+                 "host_copy_s": sum(c["host_copy_s"] for c in collected) + sum(w["host_wait_s"] for w in it.written),
                  "write_s": sum(w["write_s"] for w in it.written)}
         collect_s = sum(parts.values())
         self.busy["learner"] += m["train_s"]

@@ -359,7 +359,8 @@ def rollout(config, collector: int, iteration: int, params, param_version: int, 
 
 def write(config, rolled: dict) -> dict:
     """Writes a region that `rollout` made to its ring slot and commits it; returns once it
-    is committed: {"region", "committed": True, "write_wait_s", "write_s"}.
+    is committed: {"region", "committed": True, "write_wait_s", "host_wait_s" (for a region
+    still on its way off the device), "write_s"}.
 
     Inside a Dask worker the task first leaves the worker's thread pool (`secede`), so the
     worker rolls out its next region meanwhile; at most PENDING_WRITES regions of a collector
@@ -376,12 +377,14 @@ def write(config, rolled: dict) -> dict:
         with state.writes:
             waited = time.perf_counter()
             _leave_worker_thread_pool()
-            state.store.write_region(region_id, _on_host(rolled), iteration=rolled["iteration"],
+            data = _on_host(rolled)
+            on_host = time.perf_counter()
+            state.store.write_region(region_id, data, iteration=rolled["iteration"],
                                      collector=rolled["collector"], param_version=rolled["param_version"])
         written = time.perf_counter()
         _maybe_fail(config, region_id)
     return {"region": region_id, "committed": True, "write_wait_s": waited - started,
-            "write_s": written - waited}
+            "host_wait_s": on_host - waited, "write_s": written - on_host}
 
 
 def collect(config, collector: int, iteration: int, params, param_version: int,
