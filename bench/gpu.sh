@@ -32,8 +32,7 @@
 # sizes for a CPU dry run: CUDA_VISIBLE_DEVICES= GPU_CHECK_SIZE=small bash bench/gpu.sh),
 # GPU_CHECK_BUDGET_S (default 360 full, 600 small), GPU_CHECK_PARTS (default "write collect
 # loop:mappo learners loop:qmix loop:maddpg", run in that order), GPU_CHECK_COLLECT (the N to
-# run, default all), GPU_CHECK_LAGS (default "0 1"; "K/W": lag K, W regions of a collector
-# written at once, threads cluster only), GPU_CHECK_OVERRIDES and GPU_CHECK_ENV_STEPS
+# run, default all), GPU_CHECK_LAGS (default "0 1"), GPU_CHECK_OVERRIDES and GPU_CHECK_ENV_STEPS
 # (the loops' settings and env-step budget, plain and stages alike), GPU_CHECK_WRITE_ARGS (the
 # write part's bench/write_throughput.py arguments, as shell words, e.g. '--preset mappo-mpe
 # --sizes 4096x128 --repeats 3 --variants "none, fsync"'), GPU_CHECK_PRESETS (the learners part's,

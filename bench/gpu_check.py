@@ -93,12 +93,10 @@ def learners(out: str, presets: list[str], seconds: float):
              ["preset", "device", "updates_per_call", "compile_s", "updates_per_s", "env_steps_consumed_per_s"])
 
 
-def loop(out: str, algo: str, env_steps: int, overrides: dict, n_workers: int, lags: list[str]):
+def loop(out: str, algo: str, env_steps: int, overrides: dict, n_workers: int, lags: list[int]):
     """The plain fused loop, then the stages on a Dask cluster (dask-cuda where a GPU is
     visible, worker threads of this process where a TPU is) at each max_policy_lag in `lags`,
-    same preset, seed and budget; steady-state env steps/s of each. A lag written "K/W" also
-    lets each collector write W regions at once (stages.PENDING_WRITES; a threads cluster
-    only, whose workers are this process)."""
+    same preset, seed and budget; steady-state env steps/s of each."""
     from distributed import Client
 
     import dataflow as bench_dataflow  # bench/dataflow.py
@@ -116,9 +114,7 @@ def loop(out: str, algo: str, env_steps: int, overrides: dict, n_workers: int, l
     emit(out, "loop", {"algo": algo, "setting": "plain" + sized, **plain, "x_plain": 1.0,
                        "total_wall_s": time.perf_counter() - started}, columns)
 
-    for spec in lags:
-        lag, _, writes = spec.partition("/")
-        lag, stages.PENDING_WRITES = int(lag), int(writes or 1)
+    for lag in lags:
         run_dir = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"gpu-check-{algo}")
         shutil.rmtree(run_dir, ignore_errors=True)
         config = make_run_config(preset, run_dir=run_dir, total_env_steps=env_steps, seed=0,
@@ -132,8 +128,7 @@ def loop(out: str, algo: str, env_steps: int, overrides: dict, n_workers: int, l
             flow.run(lambda row: rows.append({**row, "wall_s": time.perf_counter() - began}))
             summary = flow.summary()
         piped = bench_dataflow.steady(rows)
-        emit(out, "loop", {"algo": algo, "setting": f"stages K={lag} ({len(flow.where.collectors)} collector)"
-                           f"{f' {writes} writes at once' if writes else ''}{sized}",
+        emit(out, "loop", {"algo": algo, "setting": f"stages K={lag} ({len(flow.where.collectors)} collector){sized}",
                            **piped, "x_plain": piped["env_steps_per_s"] / max(plain["env_steps_per_s"], 1e-9),
                            "breakdown_s": {k: round(v, 2) for k, v in summary["breakdown_s"].items()},
                            "total_wall_s": time.perf_counter() - started}, columns)
@@ -153,8 +148,7 @@ def main():
     p.add_argument("--env-steps", type=int, default=None, help="default: bench/dataflow.py's budget")
     p.add_argument("--overrides", nargs="*", default=[], help="config key=value, e.g. eval_every=1000")
     p.add_argument("--workers", type=int, default=2, help="Dask workers where no GPU is visible")
-    p.add_argument("--lags", nargs="+", default=["0"],
-                   help="max_policy_lag of each stages run; K/W also writes W regions of a collector at once")
+    p.add_argument("--lags", type=int, nargs="+", default=[0], help="max_policy_lag of each stages run")
     args = parser.parse_args()
     if args.part == "learners":
         learners(args.out, args.presets, args.seconds)
