@@ -22,7 +22,7 @@ from flows import loggers as metric_loggers
 from flows.renders import TrainingRenders
 from pipelines import cluster as clusters
 from pipelines import stages
-from pipelines.config import RunConfig, make_run_config
+from pipelines.config import RunConfig, accelerator_hint, make_run_config
 from pipelines.dataflow import RunStopped, Watch, run_moving
 
 # callables (iteration row) -> None; the CLI registers one to draw progress
@@ -149,6 +149,10 @@ def marl_train(preset: str = "qmix-smac", env: str | None = None, env_steps: int
     with clusters.connect(scheduler_address, security=security, n_workers=n_workers, kind=cluster) as client, \
             stage_errors(config.run_dir):
         quiet_task_errors(client)
+        local = not (scheduler_address or os.environ.get(clusters.SCHEDULER_ENV))
+        if local and cluster != "cpu" and (clusters.gpu_count() or clusters.tpu_count()):
+            if hint := accelerator_hint(config):
+                logger.warning(hint)
         dashboard = client.dashboard_link
         logger.info("Dask dashboard: %s", dashboard)
         writers: list = []

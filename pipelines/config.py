@@ -169,6 +169,12 @@ PRESETS: dict[str, dict] = {
         algo_overrides=dict(hidden=128, activation="relu", lr=2e-3, epochs=4, minibatches=4,
                             clip_eps=0.2, ent_coef=0.01, max_grad_norm=0.5),
     ),
+    # mappo-mpe sized for an accelerator: 4,096 envs a region (524k env steps), 20 iterations;
+    # the shape the TPU v5e measured (BENCHMARKS.md, the device check's fourth sitting): plain
+    # loop 1.4M env steps/s, the stages 0.64-0.82x of it, greedy test return -12.6 to -13.2
+    # at the end (the lr anneals over mappo-mpe's 123 iterations, so it ends at 84%)
+    "mappo-mpe-accel": {**_MAPPO_MPE, "envs_per_collector": 4_096, "total_env_steps": 10_485_760,
+                        "buffer_transitions": 524_288},
     # a few thousand steps end to end, for tests and smoke runs
     "mappo-mpe-tiny": dict(
         algo="mappo", env_id="mpe:simple_spread", total_env_steps=1_024, n_collectors=2,
@@ -201,6 +207,26 @@ PRESETS: dict[str, dict] = {
                             gamma=0.8, n_step=3),
     ),
 }
+
+
+# Regions smaller than this leave an accelerator idle between the stages' Dask round trips:
+# on a TPU v5e, MAPPO's 128 x 128 regions (16k env steps) ran the stages at 0.10x the plain
+# fused loop, 4,096 x 128 (524k) at 0.64-0.82x (BENCHMARKS.md, the device check on a TPU v5e).
+ACCELERATOR_REGION_STEPS = 262_144
+
+
+def accelerator_hint(config: RunConfig) -> str | None:
+    """What to change when a run whose regions are sized for a CPU meets an accelerator, in
+    one line; None where its regions are already large enough."""
+    if config.transitions_per_region >= ACCELERATOR_REGION_STEPS:
+        return None
+    envs = 1 << (-(-ACCELERATOR_REGION_STEPS // config.steps_per_region) - 1).bit_length()
+    sized = sorted(name for name, p in PRESETS.items() if name.startswith(config.preset + "-accel"))
+    off_policy = hasattr(config.algo_config(), "updates_per_region")
+    return (f"an accelerator is visible and preset {config.preset}'s regions are {config.envs_per_collector} envs "
+            f"x {config.steps_per_region} steps, sized for a CPU (the stages then run at about 0.1x a plain loop "
+            f"there); use {''.join(name + ' or ' for name in sized)}--set envs_per_collector={envs}"
+            + (" with updates_per_region or batch_size scaled to keep the replay ratio" if off_policy else ""))
 
 
 def make_run_config(preset: str, *, env_id: str | None = None, total_env_steps: int | None = None,

@@ -354,7 +354,8 @@ def test_a_region_made_beside_the_learner_stays_on_the_device_until_written(tmp_
         params = client.submit(stages.policy_params, config.to_dict(), pure=False).result()
         rolled = client.submit(stages.rollout, config.to_dict(), 0, 0, params, 0, 0, pure=False).result()
         assert all(isinstance(a, jax.Array) for a in rolled["data"].values())
-        client.submit(stages.write, config.to_dict(), rolled, pure=False).result()
+        written = client.submit(stages.write, config.to_dict(), rolled, pure=False).result()
+    assert written["committed"] and written["host_wait_s"] >= 0 and written["write_s"] > 0
     store = ReplayStore.open(config.store_path)
     host = store.conform(0, {k: np.asarray(v) for k, v in rolled["data"].items()})
     stored = store.read_region(0)

@@ -152,3 +152,16 @@ def test_every_training_deployment_names_a_preset():
     for name, d in train.items():
         assert d["parameters"]["preset"] == name and name in PRESETS
         assert d["work_pool"]["name"] == "marl-process"
+
+
+def test_cpu_sized_presets_say_how_to_size_a_run_for_an_accelerator():
+    from pipelines.config import accelerator_hint, make_run_config
+
+    hint = accelerator_hint(make_run_config("mappo-mpe"))
+    assert "mappo-mpe-accel or --set envs_per_collector=2048" in hint and "\n" not in hint
+    assert "replay ratio" in accelerator_hint(make_run_config("qmix-smac"))  # off-policy: scale the updates too
+    accel, cpu = make_run_config("mappo-mpe-accel"), make_run_config("mappo-mpe")
+    assert accelerator_hint(accel) is None and accel.n_iterations == 20
+    # the same learner and settings, only the run's size differs
+    differ = {k for k, v in accel.to_dict().items() if cpu.to_dict()[k] != v}
+    assert differ == {"preset", "run_dir", "envs_per_collector", "total_env_steps", "buffer_transitions"}
