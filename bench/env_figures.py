@@ -3,7 +3,7 @@
 scores a uniform random policy the same way (same env, same evaluator, same episode
 count), and draws the learning curve with the random line and the published figure.
 
-    python bench/env_figures.py --figure speaker-listener|adversary|overcooked|hanabi|all
+    python bench/env_figures.py --figure speaker-listener|adversary|overcooked|overcooked-layouts|hanabi|all
                                 [--env-steps N] [--max-wall-s S] [--eval-every K]
 
 Figures (env-step budgets are for a shared 2-core CPU; see BENCHMARKS.md):
@@ -19,6 +19,8 @@ Figures (env-step budgets are for a shared 2-core CPU; see BENCHMARKS.md):
                     reward too (reward_shaping_horizon 2.5M: trained on reward + coef x
                     the env's shaping term, coef 1 -> 0 over 2.5M env steps; evaluated
                     on the sparse reward).
+  overcooked-layouts  the same on jaxmarl's four other layouts (asymm_advantages, coord_ring,
+                    forced_coord, counter_circuit), one run each.
   hanabi            MAPPO on jaxmarl:hanabi (2 players), JaxMARL's MAPPO-Hanabi settings
                     scaled down to the budget.
 
@@ -75,6 +77,11 @@ PUBLISHED = {
         "what": "JaxMARL IPPO cramped_room return: no published number found in the sources searched",
         "value": None, "env_steps": 5_000_000, "scale": "sparse return (20 per soup)",
     },
+    "overcooked-layouts": {
+        "source": "FLAIROx/JaxMARL baselines/IPPO/config/ippo_ff_overcooked.yaml (commit c793d095)",
+        "what": "JaxMARL IPPO returns on these layouts: no published number found in the sources searched",
+        "value": None, "env_steps": 5_000_000, "scale": "sparse return (20 per soup)",
+    },
     "hanabi": {
         "source": "FLAIROx/JaxMARL baselines/MAPPO/config/mappo_homogenous_ff_hanabi.yaml (commit c793d095): "
                   "1e10 steps, 1024 envs x 128 steps",
@@ -85,6 +92,23 @@ PUBLISHED = {
 
 
 # ------------------------------------------------------------------------ the figures
+
+# jaxmarl's Overcooked layouts beside cramped_room (jaxmarl.environments.overcooked.overcooked_layouts)
+OTHER_LAYOUTS = ("asymm_advantages", "coord_ring", "forced_coord", "counter_circuit")
+
+
+def _overcooked(layout: str, args) -> tuple:
+    """IPPO on one Overcooked layout, the same settings on every layout."""
+    # JaxMARL ippo_ff_overcooked.yaml: 16 envs x 128 steps, lr 2.5e-4 annealed, tanh, 4 epochs
+    # x 4 minibatches, clip 0.2, ent 0.01, grad-norm 0.5, 5M steps, REW_SHAPING_HORIZON 2.5M
+    # (ippo_ff_overcooked.py: reward + coef x info["shaped_reward"], coef linear 1 -> 0);
+    # 32 envs here (fewer, larger updates: the pipeline pays per update), lr constant
+    return (f"IPPO, jaxmarl:overcooked {layout}", "ippo-mpe", "jaxmarl:overcooked", args.env_steps or 5_000_000,
+            {"env_kwargs": json.dumps({"layout": layout}), "envs_per_collector": "32",
+             "steps_per_region": "128", "buffer_transitions": "8192", "hidden": "64",
+             "activation": "tanh", "lr": "2.5e-4", "epochs": "4", "minibatches": "4",
+             "anneal_lr_iterations": "0", "eval_episodes": "32", "reward_shaping_horizon": "2500000"})
+
 
 def _figures(args) -> dict:
     """figure -> list of runs (label, preset, env, env steps, overrides), the metric plotted."""
@@ -111,19 +135,11 @@ def _figures(args) -> dict:
             "metric": "parl_sum", "ylabel": "greedy test return, sum over agents (PARL's scale)",
         },
         "overcooked": {
-            "runs": [
-                ("IPPO, jaxmarl:overcooked cramped_room", "ippo-mpe", "jaxmarl:overcooked",
-                 args.env_steps or 5_000_000,
-                 # JaxMARL ippo_ff_overcooked.yaml: 16 envs x 128 steps, lr 2.5e-4 annealed,
-                 # tanh, 4 epochs x 4 minibatches, clip 0.2, ent 0.01, grad-norm 0.5, 5M steps,
-                 # REW_SHAPING_HORIZON 2.5M (ippo_ff_overcooked.py: reward + coef x
-                 # info["shaped_reward"], coef linear 1 -> 0); 32 envs here (fewer, larger
-                 # updates: the pipeline pays per update), lr constant
-                 {"env_kwargs": json.dumps({"layout": "cramped_room"}), "envs_per_collector": "32",
-                  "steps_per_region": "128", "buffer_transitions": "8192", "hidden": "64",
-                  "activation": "tanh", "lr": "2.5e-4", "epochs": "4", "minibatches": "4",
-                  "anneal_lr_iterations": "0", "eval_episodes": "32", "reward_shaping_horizon": "2500000"}),
-            ],
+            "runs": [_overcooked("cramped_room", args)],
+            "metric": "test_return", "ylabel": "greedy test return (sparse: 20 per soup, 400 steps)",
+        },
+        "overcooked-layouts": {
+            "runs": [_overcooked(layout, args) for layout in OTHER_LAYOUTS],
             "metric": "test_return", "ylabel": "greedy test return (sparse: 20 per soup, 400 steps)",
         },
         "hanabi": {
@@ -330,7 +346,8 @@ def run_figure(figure: str, args):
     spec = _figures(args)[figure]
     runs, randoms = [], []
     for label, preset, env, steps, overrides in spec["runs"]:
-        run_dir = os.path.join(args.run_root, figure, env.replace(":", "-"))
+        layout = json.loads(overrides.get("env_kwargs", "{}")).get("layout")  # one env id, several layouts
+        run_dir = os.path.join(args.run_root, figure, env.replace(":", "-") + (f"-{layout}" if layout else ""))
         randoms.append(random_baseline(preset, env, overrides, run_dir))
         print(f"[{label}] random policy: {randoms[-1]}", flush=True)
         runs.append(train(label, preset, env, steps, overrides, run_dir, args.eval_every, args.max_wall_s))
@@ -339,10 +356,12 @@ def run_figure(figure: str, args):
     write(figure, spec, runs, randoms, args)
 
 
+FIGURES = ("speaker-listener", "adversary", "overcooked", "overcooked-layouts", "hanabi")
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--figure", required=True, choices=["speaker-listener", "adversary", "overcooked",
-                                                            "hanabi", "all"])
+    parser.add_argument("--figure", required=True, choices=[*FIGURES, "all"])
     parser.add_argument("--env-steps", type=int, default=0, help="per run; 0: the figure's default")
     parser.add_argument("--max-wall-s", type=float, default=450.0, help="per run: stop training after this")
     parser.add_argument("--eval-every", type=int, default=5)
@@ -351,7 +370,7 @@ def main():
                         help="redraw the figure's report from the numbers its last run kept under --run-root")
     args = parser.parse_args()
     report.embedded_prefect(".prefect/bench-env-figures", startup_timeout_s=300)
-    figures = ["speaker-listener", "adversary", "overcooked", "hanabi"] if args.figure == "all" else [args.figure]
+    figures = list(FIGURES) if args.figure == "all" else [args.figure]
     for figure in figures:
         if args.report_only:
             with open(os.path.join(args.run_root, f"{figure}.json")) as f:
