@@ -38,6 +38,8 @@ def embedded_prefect(home: str = ".prefect", startup_timeout_s: int = 90):
     """Prefect without a server for a benchmark's flow runs: its own home (other benchmarks
     may run their ephemeral servers at the same time), no telemetry, warnings only."""
     os.environ.setdefault("PREFECT_HOME", os.path.abspath(home))
+    # Prefect makes its home without parents: a nested home on a fresh clone fails to start
+    os.makedirs(os.environ["PREFECT_HOME"], exist_ok=True)
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", str(startup_timeout_s))
     os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
