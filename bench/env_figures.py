@@ -4,7 +4,7 @@ scores a uniform random policy the same way (same env, same evaluator, same epis
 count), and draws the learning curve with the random line and the published figure.
 
     python bench/env_figures.py --figure speaker-listener|adversary|overcooked|overcooked-layouts|hanabi|all
-                                [--env-steps N] [--max-wall-s S] [--eval-every K]
+                                [--env-steps N] [--max-wall-s S] [--eval-every K] [--seeds S]
 
 Figures (env-step budgets are for a shared 2-core CPU; see BENCHMARKS.md):
   speaker-listener  MAPPO on mpe:simple_speaker_listener (jaxmarl, heterogeneous agents:
@@ -293,8 +293,10 @@ def write(figure: str, spec: dict, runs: list[dict], randoms: list[dict], args):
             last = run["curve"][-1]
             extra = "; ".join(f"{t} {last[f'test_{t}_return']:.2f} (random {rnd[f'{t}_return']:.2f})"
                               for t in rnd["teams"])
+        seeds = run["curve"][-1].get(f"{metric}_per_seed") if metric == "test_return" else None
+        spread = f" ± {np.std(seeds):.2f} ({' / '.join(f'{v:.0f}' for v in seeds)})" if seeds else ""
         rows.append([run["label"], f"{run['env_steps']:,}" + (" (wall cap)" if run["stopped_by_wall"] else ""),
-                     f"{run['final']:.2f}", f"{run['last3']:.2f}", f"{run['best']:.2f}", f"{random_value:.2f}",
+                     f"{run['final']:.2f}{spread}", f"{run['last3']:.2f}", f"{run['best']:.2f}", f"{random_value:.2f}",
                      extra or "", f"{run['wall_s']:.0f}", f"{run['load_average_mean']:.1f}"])
     if published and published.get("value") is not None:
         rows.append([f"published: {published['what']}", f"{published['env_steps']:,}",
@@ -324,6 +326,10 @@ def write(figure: str, spec: dict, runs: list[dict], randoms: list[dict], args):
     for i, (run, rnd) in enumerate(zip(runs, randoms)):
         ax.plot([c["env_steps"] for c in run["curve"]], [c[metric] for c in run["curve"]],
                 color=colors[i], marker=".", label=run["label"])
+        if metric == "test_return" and run["curve"][-1].get("test_return_per_seed"):  # the seeds' min-max band
+            per_seed = np.array([c["test_return_per_seed"] for c in run["curve"]])
+            ax.fill_between([c["env_steps"] for c in run["curve"]], per_seed.min(1), per_seed.max(1),
+                            color=colors[i], alpha=0.2)
         ax.axhline(run["random"], color=colors[i], linestyle=":", label=f"random policy ({run['random']:.2f})")
         horizon = int(run["overrides"].get("reward_shaping_horizon", 0) or 0)
         if horizon:  # trained on reward + coef x the env's shaping term, coef 1 -> 0 by here
@@ -350,6 +356,8 @@ def run_figure(figure: str, args):
         run_dir = os.path.join(args.run_root, figure, env.replace(":", "-") + (f"-{layout}" if layout else ""))
         randoms.append(random_baseline(preset, env, overrides, run_dir))
         print(f"[{label}] random policy: {randoms[-1]}", flush=True)
+        if args.seeds > 1:  # vmapped seeds, each on its own envs; the curve is their mean
+            label, overrides = f"{label} ({args.seeds} seeds)", {**overrides, "n_seeds": str(args.seeds)}
         runs.append(train(label, preset, env, steps, overrides, run_dir, args.eval_every, args.max_wall_s))
         with open(os.path.join(args.run_root, f"{figure}.json"), "w") as f:  # the raw numbers, for --report-only
             json.dump({"runs": runs, "random": randoms, "command": " ".join(sys.argv)}, f)
@@ -365,6 +373,7 @@ def main():
     parser.add_argument("--env-steps", type=int, default=0, help="per run; 0: the figure's default")
     parser.add_argument("--max-wall-s", type=float, default=450.0, help="per run: stop training after this")
     parser.add_argument("--eval-every", type=int, default=5)
+    parser.add_argument("--seeds", type=int, default=1, help="vmapped seeds per run (final: mean ± std)")
     parser.add_argument("--run-root", default="runs/bench-env-figures")
     parser.add_argument("--report-only", action="store_true",
                         help="redraw the figure's report from the numbers its last run kept under --run-root")
