@@ -699,8 +699,23 @@ class ReplayStore:
         """{array: (selection, value)} written at once: one trip to zarr's event loop, which
         encodes and stores every chunk of every array concurrently on its thread pool (a
         thread per array costs more than the write itself for a CPU run's small regions)."""
-        sync(_gather([self._arrays[name].async_array.setitem(sel, value)
-                      for name, (sel, value) in writes.items()]))
+        self._set_each([(name, sel, value) for name, (sel, value) in writes.items()])
+
+    def _set_each(self, writes: list[tuple[str, Any, Any]]) -> None:
+        sync(_gather([self._arrays[name].async_array.setitem(sel, value) for name, sel, value in writes]))
+
+    def _chunk_writes(self, name: str, steps: slice, value: np.ndarray) -> list[tuple[str, Any, Any]]:
+        """A slot's write of array `name` as one write per chunk. zarr stores a write of exactly
+        one chunk as it is; a write spanning several it copies into a new fill-valued buffer
+        per chunk, on its event loop's one thread (that, not the codec, bounded a large region's
+        write: bench/profile_summary.py on bench/write_throughput.py's region)."""
+        chunks = self._arrays[name].chunks
+        out = []
+        for corner in itertools.product(*(range(0, n, c) for n, c in zip(value.shape, chunks))):
+            local = tuple(slice(o, min(o + c, n)) for o, c, n in zip(corner, chunks, value.shape))
+            at = (slice(steps.start + local[0].start, steps.start + local[0].stop), *local[1:])
+            out.append((name, at, value[local]))
+        return out
 
     def _mark_uncommitted(self, slot: int) -> None:
         # trained_version too: the region that comes is not trained on yet
@@ -709,9 +724,9 @@ class ReplayStore:
     def _write_fields(self, slot: int, arrays: dict[str, np.ndarray], values: dict[str, int]) -> None:
         """Every field's chunks and the coordinates of the slot."""
         steps = self._steps(slot)
-        coords = {name: (steps, np.full(self.steps_per_region, values[name], dtype=np.int64))
-                  for name in COORDS}
-        self._set_all({**{name: (steps, arr) for name, arr in arrays.items()}, **coords})
+        coords = {name: np.full(self.steps_per_region, values[name], dtype=np.int64) for name in COORDS}
+        self._set_each([write for name, value in {**arrays, **coords}.items()
+                        for write in self._chunk_writes(name, steps, value)])
 
     def _commit(self, slot: int, region_id: int, values: dict[str, int]) -> None:
         self._arrays[COMMIT][slot] = region_id  # one chunk per slot, written atomically by zarr

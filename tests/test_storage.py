@@ -206,6 +206,10 @@ class _FailingArray:
     def async_array(self):  # the store writes a region's arrays through zarr's async API
         return self
 
+    @property
+    def chunks(self):  # (one write per chunk)
+        return self._arr.chunks
+
     async def setitem(self, key, value):
         raise _Boom("worker died")
 
