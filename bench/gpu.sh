@@ -37,8 +37,8 @@
 # write part's bench/write_throughput.py arguments, as shell words, e.g. '--preset mappo-mpe
 # --sizes 4096x128 --repeats 3 --variants "none, fsync"'), GPU_CHECK_PRESETS (the learners part's,
 # default "qmix-smac mappo-mpe maddpg-mpe"), GPU_CHECK_PROBE_ARGS (the compile part's, default
-# "--envs 4096 --case-timeout-s 50"), GPU_CHECK_PROFILE (1: each loop part runs under py-spy, from
-# the wheels, and tables.md gets bench/profile_summary.py's per-thread table), PYTHON (default python3), GPU_CHECK_DIR (where
+# "--envs 4096 --case-timeout-s 50"), GPU_CHECK_PROFILE (1: each stages run of a loop part samples
+# its threads' stacks, and tables.md gets bench/profile_summary.py's per-thread tables), PYTHON (default python3), GPU_CHECK_DIR (where
 # stores are written, default $TMPDIR or /tmp).
 set -u
 cd "$(dirname "$0")/.."
@@ -179,15 +179,14 @@ for what in $PARTS; do
       done ;;
     loop:*)
       algo=${what#loop:}
-      SPY=()   # GPU_CHECK_PROFILE=1: the loop under py-spy (every thread, waiting too), summarised below
-      PYSPY=$(command -v py-spy || ls /tmp/site/bin/py-spy 2>/dev/null)
-      [ -n "${GPU_CHECK_PROFILE:-}" ] && [ -n "$PYSPY" ] && SPY=("$PYSPY" record --threads --idle --subprocesses \
-        --nonblocking -r 50 --format raw -o "$OUT/profile-loop-$algo.txt" --)
-      part "loop $algo" 200 "${SPY[@]}" "$PY" bench/gpu_check.py loop --out "$OUT" --algo "$algo" \
+      part "loop $algo" 200 "$PY" bench/gpu_check.py loop --out "$OUT" --algo "$algo" \
         --env-steps "${GPU_CHECK_ENV_STEPS:-${LOOP_STEPS[$algo]}}" --lags $LAGS --overrides $LOOP_OVERRIDES
-      [ -f "$OUT/profile-loop-$algo.txt" ] && { echo; echo "### where each thread's time went, loop $algo (py-spy)"; echo;
-        "$PY" bench/profile_summary.py "$OUT/profile-loop-$algo.txt"; echo; echo "inside the store's write_region:"; echo;
-        "$PY" bench/profile_summary.py "$OUT/profile-loop-$algo.txt" --stacks-with write_region --frames 10; } >> "$TABLES" 2>> "$LOG" ;;
+      for profile in "$OUT"/profile-loop-"$algo"-K*.txt; do  # GPU_CHECK_PROFILE=1: each stages run sampled
+        [ -f "$profile" ] || continue
+        { echo; echo "### where each thread's time went: $(basename "$profile" .txt)"; echo;
+          "$PY" bench/profile_summary.py "$profile"; echo; echo "inside the store's write_region:"; echo;
+          "$PY" bench/profile_summary.py "$profile" --stacks-with write_region --frames 10; } >> "$TABLES" 2>> "$LOG"
+      done ;;
     compile)  # where a device's first minutes go: trace, compile, first and steady call per env family
       part compile_probe 240 "$PY" bench/compile_probe.py $PROBE_ARGS
       [ -f "$RESULTS/compile_probe.md" ] && { echo; echo "### compile_probe"; echo; cat "$RESULTS/compile_probe.md"; } >> "$TABLES" ;;

@@ -13,6 +13,7 @@ run cut short by its time limit keeps what finished.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -21,6 +22,8 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from profile_summary import ThreadSampler  # noqa: E402  (bench/profile_summary.py)
 
 
 def emit(out: str, part: str, row: dict, columns: list[str]):
@@ -120,7 +123,9 @@ def loop(out: str, algo: str, env_steps: int, overrides: dict, n_workers: int, l
         config = make_run_config(preset, run_dir=run_dir, total_env_steps=env_steps, seed=0,
                                  overrides={**overrides, "max_policy_lag": lag})
         started = time.perf_counter()
-        with make_cluster(n_workers=n_workers, kind="auto", dashboard_address="127.0.0.1:0") as cluster, \
+        profile = (ThreadSampler(os.path.join(out, f"profile-loop-{algo}-K{lag}.txt"))
+                   if os.environ.get("GPU_CHECK_PROFILE") else contextlib.nullcontext())
+        with profile, make_cluster(n_workers=n_workers, kind="auto", dashboard_address="127.0.0.1:0") as cluster, \
                 Client(cluster) as client:
             start = client.submit(stages.prepare_run, config.to_dict(), pure=False).result()
             flow = Dataflow(client, config, start, Placement.on(client, config))

@@ -1,13 +1,14 @@
-"""Where each thread's time went, from a py-spy raw profile (`py-spy record --threads --idle
---format raw`): per process and thread (thread ids dropped, so a pool's threads add up), its
+"""Where each thread's time went, from a raw profile (`ThreadSampler`'s below, or py-spy's
+`record --threads --idle --format raw`): per process and thread (thread ids dropped, so a pool's threads add up), its
 share of the samples, the share in which it was not parked (waiting for work, a socket or a
 child), and its most frequent innermost frames, busiest threads first, as a markdown table.
 
     python bench/profile_summary.py PROFILE.txt [--threads 12] [--frames 6] [--min-share 0.01]
                                     [--stacks-with FUNCTION]
 
-bench/gpu.sh runs a loop part under py-spy with GPU_CHECK_PROFILE=1 and appends this table
-to its tables.md: it shows what the store write waits on inside the loop (the GIL, zarr's
+bench/gpu.sh with GPU_CHECK_PROFILE=1 samples each stages run of a loop part (ThreadSampler,
+in the process: py-spy found no Python process to attach to on the TPU machine) and appends
+this table to its tables.md: it shows what the store write waits on inside the loop (zarr's
 event loop, the disk, the device copy) where timing alone cannot.
 """
 
@@ -15,13 +16,62 @@ from __future__ import annotations
 
 import argparse
 import collections
+import os
 import re
+import sys
+import threading
+import time
 
 
 # innermost frames of a thread that is parked (waiting for work, a socket or a child), not
 # working or waiting on something the loop's work asked for
 PARKED = ("EpollSelector.select", "Condition.wait", "Event.wait", "_worker (concurrent/futures/thread.py:81)",
           "Connection._recv", "Popen.poll", "main (multiprocessing/resource_tracker.py")
+
+
+class ThreadSampler:
+    """Samples the Python stack of every thread of this process every `interval` seconds
+    (sys._current_frames) while the block runs, and writes them to `path` in py-spy's raw
+    format (one line per distinct stack: frames outermost first, then the count). A thread
+    waiting for the GIL shows where it will go on; threads without Python frames (a device
+    runtime's own) are not seen."""
+
+    def __init__(self, path: str, interval: float = 0.02):
+        self.path, self.interval = path, interval
+        self.stacks: collections.Counter = collections.Counter()
+        self._stop = threading.Event()
+        self._roots = sorted({os.path.abspath(p) for p in sys.path if p and os.path.isdir(p)}, key=len, reverse=True)
+
+    def _where(self, code) -> str:
+        name = os.path.abspath(code.co_filename)
+        root = next((r for r in self._roots if name.startswith(r + os.sep)), None)
+        return name[len(root) + 1:] if root else os.path.basename(name)
+
+    def _sample(self):
+        me, pid = threading.get_ident(), os.getpid()
+        while not self._stop.wait(self.interval):
+            names = {t.ident: t.name for t in threading.enumerate()}
+            for ident, frame in sys._current_frames().items():
+                if ident == me:
+                    continue
+                frames = []
+                while frame is not None:
+                    code = frame.f_code
+                    frames.append(f"{code.co_qualname} ({self._where(code)}:{frame.f_lineno})")
+                    frame = frame.f_back
+                thread = f"thread ({ident}): {names.get(ident, '')}"
+                self.stacks[";".join([f"process {pid}:sampled", thread, *reversed(frames)])] += 1
+
+    def __enter__(self):
+        self._thread = threading.Thread(target=self._sample, name="profile-sampler", daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+        with open(self.path, "w") as f:
+            f.writelines(f"{stack} {n}\n" for stack, n in self.stacks.items())
 
 
 def threads_of(path: str, stacks_with: str = "") -> dict[str, collections.Counter]:
