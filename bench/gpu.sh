@@ -37,8 +37,10 @@
 # write part's bench/write_throughput.py arguments, as shell words, e.g. '--preset mappo-mpe
 # --sizes 4096x128 --repeats 3 --variants "none, fsync"'), GPU_CHECK_PRESETS (the learners part's,
 # default "qmix-smac mappo-mpe maddpg-mpe"), GPU_CHECK_PROBE_ARGS (the compile part's, default
-# "--envs 4096 --case-timeout-s 50"), GPU_CHECK_PROFILE (1: each stages run of a loop part samples
-# its threads' stacks, and tables.md gets bench/profile_summary.py's per-thread tables), PYTHON (default python3), GPU_CHECK_DIR (where
+# "--envs 4096 --case-timeout-s 50"), GPU_CHECK_LOOP_LIMIT_S (each loop part's limit, default
+# 200: QMIX's plain loop alone took 130 s on a TPU v5e, so give it 400), GPU_CHECK_PROFILE (1:
+# each stages run of a loop part samples its threads' stacks, and tables.md gets
+# bench/profile_summary.py's per-thread tables), PYTHON (default python3), GPU_CHECK_DIR (where
 # stores are written, default $TMPDIR or /tmp).
 set -u
 cd "$(dirname "$0")/.."
@@ -179,7 +181,7 @@ for what in $PARTS; do
       done ;;
     loop:*)
       algo=${what#loop:}
-      part "loop $algo" 200 "$PY" bench/gpu_check.py loop --out "$OUT" --algo "$algo" \
+      part "loop $algo" "${GPU_CHECK_LOOP_LIMIT_S:-200}" "$PY" bench/gpu_check.py loop --out "$OUT" --algo "$algo" \
         --env-steps "${GPU_CHECK_ENV_STEPS:-${LOOP_STEPS[$algo]}}" --lags $LAGS --overrides $LOOP_OVERRIDES
       for profile in "$OUT"/profile-loop-"$algo"-K*.txt; do  # GPU_CHECK_PROFILE=1: each stages run sampled
         [ -f "$profile" ] || continue
