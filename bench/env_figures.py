@@ -36,6 +36,7 @@ import argparse
 import json
 import os
 import platform
+import re
 import shutil
 import subprocess
 import sys
@@ -352,8 +353,8 @@ def run_figure(figure: str, args):
     spec = _figures(args)[figure]
     runs, randoms = [], []
     for label, preset, env, steps, overrides in spec["runs"]:
-        layout = json.loads(overrides.get("env_kwargs", "{}")).get("layout")  # one env id, several layouts
-        run_dir = os.path.join(args.run_root, figure, env.replace(":", "-") + (f"-{layout}" if layout else ""))
+        # one run dir per run of the figure (several runs may share an env id: Overcooked's layouts)
+        run_dir = os.path.join(args.run_root, figure, re.sub(r"[^\w.-]+", "-", label).strip("-"))
         randoms.append(random_baseline(preset, env, overrides, run_dir))
         print(f"[{label}] random policy: {randoms[-1]}", flush=True)
         if args.seeds > 1:  # vmapped seeds, each on its own envs; the curve is their mean

@@ -99,7 +99,8 @@ def learners(out: str, presets: list[str], seconds: float):
 def loop(out: str, algo: str, env_steps: int, overrides: dict, n_workers: int, lags: list[int]):
     """The plain fused loop, then the stages on a Dask cluster (dask-cuda where a GPU is
     visible, worker threads of this process where a TPU is) at each max_policy_lag in `lags`,
-    same preset, seed and budget; steady-state env steps/s of each."""
+    same preset, seed and budget; steady-state env steps/s of each. With GPU_CHECK_PROFILE set,
+    each stages run's threads are sampled to OUT/profile-loop-ALGO-KLAG.txt (profile_summary)."""
     from distributed import Client
 
     import dataflow as bench_dataflow  # bench/dataflow.py

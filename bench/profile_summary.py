@@ -1,7 +1,8 @@
 """Where each thread's time went, from a raw profile (`ThreadSampler`'s below, or py-spy's
-`record --threads --idle --format raw`): per process and thread (thread ids dropped, so a pool's threads add up), its
-share of the samples, the share in which it was not parked (waiting for work, a socket or a
-child), and its most frequent innermost frames, busiest threads first, as a markdown table.
+`record --threads --idle --format raw`): per process and thread (thread ids dropped, so a
+pool's threads add up), its share of the samples, the share in which it was not parked
+(waiting for work, a socket or a child), and its most frequent innermost frames, busiest
+threads first, as a markdown table.
 
     python bench/profile_summary.py PROFILE.txt [--threads 12] [--frames 6] [--min-share 0.01]
                                     [--stacks-with FUNCTION]
@@ -20,7 +21,6 @@ import os
 import re
 import sys
 import threading
-import time
 
 
 # innermost frames of a thread that is parked (waiting for work, a socket or a child), not
@@ -41,11 +41,14 @@ class ThreadSampler:
         self.stacks: collections.Counter = collections.Counter()
         self._stop = threading.Event()
         self._roots = sorted({os.path.abspath(p) for p in sys.path if p and os.path.isdir(p)}, key=len, reverse=True)
+        self._files: dict[str, str] = {}  # a code file -> its name as py-spy writes it, worked out once
 
     def _where(self, code) -> str:
-        name = os.path.abspath(code.co_filename)
-        root = next((r for r in self._roots if name.startswith(r + os.sep)), None)
-        return name[len(root) + 1:] if root else os.path.basename(name)
+        if code.co_filename not in self._files:
+            name = os.path.abspath(code.co_filename)
+            root = next((r for r in self._roots if name.startswith(r + os.sep)), None)
+            self._files[code.co_filename] = name[len(root) + 1:] if root else os.path.basename(name)
+        return self._files[code.co_filename]
 
     def _sample(self):
         me, pid = threading.get_ident(), os.getpid()
@@ -95,7 +98,7 @@ def threads_of(path: str, stacks_with: str = "") -> dict[str, collections.Counte
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("profile")
-    parser.add_argument("--threads", type=int, default=12, help="threads shown, most samples first")
+    parser.add_argument("--threads", type=int, default=12, help="threads shown, busiest first")
     parser.add_argument("--frames", type=int, default=6, help="innermost frames shown per thread")
     parser.add_argument("--min-share", type=float, default=0.01, help="hide frames under this share of the thread")
     parser.add_argument("--stacks-with", default="",
