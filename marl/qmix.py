@@ -18,7 +18,8 @@ A window starts anywhere in the ring, its agents' GRU memory zeroed there, or on
 starts (`episode_windows`, as pymarl and JaxMARL train on whole episodes). A window that
 starts mid-episode can first replay `burn_in` steps with no loss, so the memory is warm where
 the loss begins (R2D2). Targets bootstrap through a time-limit end and not through a real
-one; a step whose next state is not stored (`transition.cut`) has no target.
+one (`time_limit_bootstrap`; False treats every end as terminal); a step whose next state is
+not stored (`transition.cut`) has no target.
 """
 
 from __future__ import annotations
@@ -57,6 +58,12 @@ class Config:
     last_action: bool = False
     updates_per_region: int = 8  # gradient updates per newly collected region
     target_update_interval: int = 200  # in updates
+    # True: a time limit (`truncated`) is not a terminal state, so targets bootstrap through
+    # it and the step that hit it, whose next obs are already the reset obs, has no target
+    # (pymarl's convention). False: every end zeroes the bootstrap, so a state that the
+    # limit ends is worth only its reward: it tells a team that stalls until the limit what
+    # stalling earns, at the cost of targets the obs cannot predict (they carry no clock)
+    time_limit_bootstrap: bool = True
     eps_start: float = 1.0
     eps_end: float = 0.05
     eps_decay_steps: int = 100_000  # env steps over which epsilon decays linearly
@@ -235,7 +242,8 @@ def make_learner(spec: EnvSpec, config: Config):
         `has_target` [B, L-1]: step t is not cut."""
         # memory restarts at each episode start inside the window (and at its start)
         reset = batch["first"].at[:, 0].set(True)
-        cut = transition.cut(batch)
+        real_end = batch["terminated"] | (batch["truncated"] & (not config.time_limit_bootstrap))
+        cut = transition.cut(batch) & ~real_end[:, :-1]
         q = unroll(params["agent"], batch["obs"], reset, batch["action"])
         q_target = unroll(target_params["agent"], batch["obs"], reset, batch["action"])
         avail = batch["avail_actions"]
@@ -246,7 +254,7 @@ def make_learner(spec: EnvSpec, config: Config):
         q_tot = mixer.apply(params["mixer"], chosen, batch["state"])  # [B, L] (IQL: [B, L, agent])
         next_q_tot = mixer.apply(target_params["mixer"], next_q, batch["state"][:, 1:])
         reward = batch["reward"][:, :-1].mean(axis=-1)
-        terminated = batch["terminated"][:, :-1].astype(jnp.float32)
+        terminated = real_end[:, :-1].astype(jnp.float32)
         next_cut = jnp.concatenate([cut[:, 1:], jnp.ones_like(cut[:, :1])], axis=1)
         returns = lambda v: lambda_returns(reward, terminated, v, next_cut, config.gamma, config.td_lambda)
         # IQL: one target per agent, all on the team reward

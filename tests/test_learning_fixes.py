@@ -126,6 +126,22 @@ def test_qmix_bootstraps_through_a_time_limit_and_not_a_real_end(vdn):
     assert np.isnan(td[[4, 5, 6]]).all()
 
 
+def test_qmix_without_time_limit_bootstrap_ends_at_a_time_limit(vdn):
+    spec, _, state = vdn
+    learner = algos.make_learner("vdn", spec, algos.config_for(
+        "vdn", {"hidden": "8", "td_lambda": "0", "time_limit_bootstrap": "false"}))
+    w = qmix_windows(spec, 7, terminated=[2], truncated=[4], restarts=[6])
+    out = {k: np.asarray(v) for k, (v, _) in learner.score(state, w).items()}
+    q_tot, td = out["q_tot"][0], out["td_error"][0]
+    next_value = out["q_max"][0].sum(-1)
+    r = np.arange(1.0, 8.0)
+    # the time limit is terminal: the step that hit it has a target, its reward alone
+    target = {2: r[2], 3: r[3] + GAMMA_Q * next_value[4], 4: r[4]}
+    for t, g in target.items():
+        np.testing.assert_allclose(td[t], q_tot[t] - g, rtol=1e-5, atol=1e-5)
+    assert np.isnan(td[[5, 6]]).all()  # the step before a restart, the window's last
+
+
 def test_burn_in_steps_carry_no_loss(vdn):
     spec, _, state = vdn
     burn = algos.make_learner("vdn", spec, algos.config_for("vdn", {"hidden": "8", "td_lambda": "0",
