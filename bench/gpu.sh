@@ -37,7 +37,8 @@
 # write part's bench/write_throughput.py arguments, as shell words, e.g. '--preset mappo-mpe
 # --sizes 4096x128 --repeats 3 --variants "none, fsync"'), GPU_CHECK_PRESETS (the learners part's,
 # default "qmix-smac mappo-mpe maddpg-mpe"), GPU_CHECK_PROBE_ARGS (the compile part's, default
-# "--envs 4096 --case-timeout-s 50"), GPU_CHECK_LOOP_LIMIT_S (each loop part's limit, default
+# "--envs 4096 --case-timeout-s 50"), GPU_CHECK_HOSTCOPY_ARGS (the hostcopy part's, default
+# "--envs 4096 --steps 128 --repeats 3"), GPU_CHECK_LOOP_LIMIT_S (each loop part's limit, default
 # 200: QMIX's plain loop alone took 130 s on a TPU v5e, so give it 400), GPU_CHECK_PROFILE (1:
 # each stages run of a loop part samples its threads' stacks, and tables.md gets
 # bench/profile_summary.py's per-thread tables), PYTHON (default python3), GPU_CHECK_DIR (where
@@ -91,6 +92,7 @@ case "$SIZE" in
 esac
 [ -n "${GPU_CHECK_WRITE_ARGS:-}" ] && eval "WRITE=($GPU_CHECK_WRITE_ARGS)"   # the write part's arguments
 PROBE_ARGS=${GPU_CHECK_PROBE_ARGS:-$PROBE_DEFAULT}   # bench/compile_probe.py's arguments (the compile part)
+HOSTCOPY_ARGS=${GPU_CHECK_HOSTCOPY_ARGS:-$HOSTCOPY_ARGS}   # bench/host_copy.py's (the hostcopy part)
 
 left() { echo $(( BUDGET - ($(date +%s) - BEGAN) )); }
 
@@ -193,7 +195,7 @@ for what in $PARTS; do
       part compile_probe 240 "$PY" bench/compile_probe.py $PROBE_ARGS
       [ -f "$RESULTS/compile_probe.md" ] && { echo; echo "### compile_probe"; echo; cat "$RESULTS/compile_probe.md"; } >> "$TABLES" ;;
     hostcopy)  # how fast a region leaves the device: as is, async, raveled first, one buffer
-      part host_copy 120 "$PY" bench/host_copy.py $HOSTCOPY_ARGS
+      part host_copy 300 "$PY" bench/host_copy.py $HOSTCOPY_ARGS
       [ -f "$RESULTS/host_copy.md" ] && { echo; echo "### host_copy"; echo; cat "$RESULTS/host_copy.md"; } >> "$TABLES" ;;
     learners)
       part learners 90 "$PY" bench/gpu_check.py learners --out "$OUT" --seconds "$LEARN_S" --presets $PRESETS ;;

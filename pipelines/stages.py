@@ -23,6 +23,7 @@ lands on a fresh worker (a retry, a restart, a resumed run) rebuilds from them.
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import dataclasses
 import os
@@ -178,6 +179,7 @@ class CollectorState:
     rollout_state: Any = None
     next_iteration: int = -1
     rollout_lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
+    ravel: concurrent.futures.Future | None = None  # the compiled `_raveled` of this collector's regions
 
 
 @dataclasses.dataclass
@@ -316,7 +318,7 @@ def rollout(config, collector: int, iteration: int, params, param_version: int, 
     hold it (on a worker thread of the learner's process, on the device, in the store's
     dtypes: `write` copies it to the host). The envs move on to the next region at once.
 
-    Returns {"data": the region's fields, "host_data": on the device, their raveled copies
+    Returns {"data": the region's fields, "host_data": on the device, their (raveled) copies
     already on their way to the host (else None), "region", ..., the region's episode stats,
     and where the time went (rollout, host copy)}. `write` then stores it, while the learner
     (`train`) already trains on the very same arrays: the disk is off the learner's path.
@@ -342,9 +344,7 @@ def rollout(config, collector: int, iteration: int, params, param_version: int, 
                 # the learner takes the region as the device holds it; `write` copies it to the
                 # host off the learner's path (a TPU's host copy was as long as its rollouts)
                 data = {name: data[name].astype(field.dtype) for name, field in state.store.fields.items()}
-                host = _raveled(data)
-                for array in host.values():  # the copies start now, beside the learner's updates
-                    array.copy_to_host_async()
+                host = _start_host_copy(state, data)
             else:
                 data = state.store.conform(region_id, _to_numpy(data))
             stats = _scalars(stats)
@@ -398,9 +398,27 @@ def collect(config, collector: int, iteration: int, params, param_version: int,
 
 # Each field as one dense run on the device before its host copy: a TPU keeps an array's two
 # minor dims in (8, 128) tiles, so fields such as obs [T, N, 3, 18] are padded there and
-# de-tiled on their way out, which is the lead for the TPU loop's 420 MB/s host copies
-# (BENCHMARKS.md, the TPU's third sitting; bench/host_copy.py measures it, not yet run on one).
+# de-tiled on their way out; raveled first, MAPPO's loop on a TPU v5e went from 0.43-0.47x to
+# 0.64-0.82x its plain loop (BENCHMARKS.md, the TPU's fourth sitting).
 _raveled = jax.jit(lambda region: {name: array.reshape(-1) for name, array in region.items()})
+# XLA compiles some of those reshapes slowly: on a TPU v5e, 27 s for a QMIX region's action
+# [32, 4096, 3] and 69 s for its avail_actions [32, 4096, 3, 8] (bench/host_copy.py), which
+# stalled a lock-step loop for its first regions. So it compiles here, off the rollout's path.
+_RAVEL_COMPILER = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="ravel-compile")
+
+
+def _start_host_copy(state: CollectorState, region: dict) -> dict:
+    """Starts copying a region's fields (on the device) to the host; returns the arrays being
+    copied: raveled once `_raveled` for this collector's regions has compiled (its compile
+    starts with the first region), the fields as they are until then."""
+    if state.ravel is None:
+        shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), region)
+        state.ravel = _RAVEL_COMPILER.submit(lambda: _raveled.lower(shapes).compile())
+    ready = state.ravel.done() and state.ravel.exception() is None
+    host = state.ravel.result()(region) if ready else region
+    for array in host.values():  # the copies start now, beside the learner's updates
+        array.copy_to_host_async()
+    return host
 
 
 def _on_host(rolled: dict) -> dict:
