@@ -403,7 +403,8 @@ def collect(config, collector: int, iteration: int, params, param_version: int,
 _raveled = jax.jit(lambda region: {name: array.reshape(-1) for name, array in region.items()})
 # XLA compiles some of those reshapes slowly: on a TPU v5e, 27 s for a QMIX region's action
 # [32, 4096, 3] and 69 s for its avail_actions [32, 4096, 3, 8] (bench/host_copy.py), which
-# stalled a lock-step loop for its first regions. So it compiles here, off the rollout's path.
+# held a lock-step loop's first region for over a minute. So it compiles here, off the
+# rollout's path.
 _RAVEL_COMPILER = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="ravel-compile")
 
 
