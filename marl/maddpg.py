@@ -139,9 +139,8 @@ def transitions(windows, gamma: float, time_limit_bootstrap: bool, n_step: int =
       transition that starts at a cut has no target (weight 0)."""
     length = windows["terminated"].shape[1]
     steps = jnp.arange(n_step)
-    truncated = windows["truncated"]
-    real_end = windows["terminated"] | (truncated & (not time_limit_bootstrap))
-    cut = transition.cut(windows) & ~real_end[:, :-1]
+    real_end = transition.real_end(windows, time_limit_bootstrap)
+    cut = transition.cut(windows, time_limit_bootstrap)
     cut = jnp.concatenate([cut, jnp.zeros_like(cut[:, :1])], axis=1)  # [B, L]
 
     def from_start(t):

@@ -242,8 +242,8 @@ def make_learner(spec: EnvSpec, config: Config):
         `has_target` [B, L-1]: step t is not cut."""
         # memory restarts at each episode start inside the window (and at its start)
         reset = batch["first"].at[:, 0].set(True)
-        real_end = batch["terminated"] | (batch["truncated"] & (not config.time_limit_bootstrap))
-        cut = transition.cut(batch) & ~real_end[:, :-1]
+        real_end = transition.real_end(batch, config.time_limit_bootstrap)
+        cut = transition.cut(batch, config.time_limit_bootstrap)
         q = unroll(params["agent"], batch["obs"], reset, batch["action"])
         q_target = unroll(target_params["agent"], batch["obs"], reset, batch["action"])
         avail = batch["avail_actions"]

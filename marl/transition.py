@@ -158,14 +158,23 @@ def done(batch):
     return batch.terminated | batch.truncated
 
 
-def cut(windows):
+def real_end(windows, time_limit_bootstrap: bool = True):
+    """[B, L] bool: where an episode ended with nothing after it to bootstrap on: a
+    `terminated` end, and, without time_limit_bootstrap (a learner's setting), a time limit
+    too."""
+    return windows["terminated"] | (windows["truncated"] & (not time_limit_bootstrap))
+
+
+def cut(windows, time_limit_bootstrap: bool = True):
     """[B, L] windows -> [B, L-1] bool: True where the state that step t led to is not the
     next stored step, so step t has no bootstrap and is left out of every TD or advantage
     loss (the transitions before it bootstrap on its obs as usual):
 
     - a time-limit end, `truncated[t]`: the envs auto-reset, so obs[t + 1] are the next
-      episode's and the state the limit interrupted is not stored;
+      episode's and the state the limit interrupted is not stored (without
+      time_limit_bootstrap a time limit is a `real_end` instead, not a cut);
     - a stream cut, `first[t + 1]` with no end at t: a collector restarted its envs.
 
     A `terminated` end is not a cut: its target has no bootstrap by definition."""
-    return windows["truncated"][:, :-1] | (windows["first"][:, 1:] & ~done(windows)[:, :-1])
+    restart = windows["first"][:, 1:] & ~done(windows)[:, :-1]
+    return windows["truncated"][:, :-1] | restart if time_limit_bootstrap else restart
