@@ -1,23 +1,28 @@
-"""How fast a region leaves the device for the host, field by field and whole, by four ways
+"""How fast a region leaves the device for the host, field by field and whole, by several ways
 of copying it (a TPU keeps an array's two minor dims in (8, 128) tiles, so fields such as
-obs [T, N, 3, 18] are padded and de-tiled on the way out; raveled on the device first,
-each field is one dense run of bytes):
+obs [T, N, 3, 18] are padded and de-tiled on the way out; reshaped on the device first,
+each field leaves as dense runs of bytes):
 
-  as is       np.asarray of each field as the rollout left it, one after another
-  async       copy_to_host_async of every field first, then np.asarray of each
-  raveled     each field raveled to 1-D on the device (one jitted call), then as async
-  raveled each  the same, one jitted call per field (one small compile per field shape)
-  one buffer  every field raveled and bitcast to bytes, concatenated into one uint8 array
-              on the device, one copy, split on the host (views)
+  as is         np.asarray of each field as the rollout left it, one after another
+  async         copy_to_host_async of every field first, then np.asarray of each
+  raveled each  each field raveled to 1-D on the device (one jitted call per field), then as async
+  per step      each step's [N, ...] raveled in a loop over T ([T, N * ...] leaves), then as async
+  n last        the env axis moved minor-most on the device, moved back on the host
+  one buffer    every field raveled and bitcast to bytes, concatenated into one uint8 array
+                on the device, one copy, split on the host (views)
+
+Each jitted way's compile is timed field by field, apart, printed as it goes: on a TPU v5e
+the raveled copy of a 4096-env QMIX region spent about 70 s in XLA's compiler (its
+avail_actions [32, 4096, 3, 8] alone 69 s), so "raveled each" and "one buffer" are left out
+unless --ways names them.
 
 The region is the collect stage's own (marl.rollout.make_collector with the preset's policy
 and env: mappo-mpe by default) at N envs x T steps, as the store holds it (its dtypes). Each
 repeat copies fresh device arrays (a jax array caches its host copy). Every way's host bytes
-are checked equal to "as is". Each way's first call (its compile, for the jitted ways) is
-timed apart: on a TPU v5e the collect stage's first raveled copy of a 4096-env QMIX region
-spent about 70 s in XLA's compiler.
+are checked equal to "as is"; each way's first call is timed apart.
 
     python bench/host_copy.py [--preset mappo-mpe] [--envs 4096] [--steps 128] [--repeats 3]
+                              [--ways "as is" async "per step" "n last"]
 
 Prints one JSON row per way (and per field for "as is") and writes
 bench/results/host_copy.{json,md} (or $MARL_BENCH_RESULTS; no figure).
@@ -52,6 +57,8 @@ def main():
     parser.add_argument("--envs", type=int, default=4096)
     parser.add_argument("--steps", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--ways", nargs="+", default=["as is", "async", "per step", "n last"],
+                        help="which ways to time (the module's docstring says why two are left out by default)")
     args = parser.parse_args()
 
     import jax
@@ -59,14 +66,34 @@ def main():
     import numpy as np
 
     region, fields = make_region(args.preset, args.envs, args.steps)
-    ravel = jax.jit(lambda d: {k: v.reshape(-1) for k, v in d.items()})
 
     def as_bytes(v):
         v = v.reshape(-1)
         return v.astype(jnp.uint8) if v.dtype == jnp.bool_ else jax.lax.bitcast_convert_type(v, jnp.uint8).reshape(-1)
 
-    ravel_one = jax.jit(lambda v: v.reshape(-1))
     pack = jax.jit(lambda d: jnp.concatenate([as_bytes(d[k]) for k in sorted(d)]))
+
+    # per-field ways: (on the device, jitted per field; back to the field's shape on the host)
+    per_field_ways = {
+        "raveled each": (lambda v: v.reshape(-1), lambda a, shape: a.reshape(shape)),
+        # each step's [N, ...] raveled inside a loop over T: the compiler sees one step's shape
+        "per step": (lambda v: jax.lax.map(lambda x: x.reshape(-1), v) if v.ndim > 2 else v,
+                     lambda a, shape: a.reshape(shape)),
+        # the env axis (the long one) moved minor-most, so the tiles are full; moved back here
+        "n last": (lambda v: jnp.moveaxis(v, 1, -1) if v.ndim > 2 else v,
+                   lambda a, shape: np.ascontiguousarray(np.moveaxis(a, -1, 1)) if a.ndim > 2 else a),
+    }
+    compiled = {name: {} for name in per_field_ways}  # way -> field -> its compiled transform
+
+    def per_field(name):
+        back = per_field_ways[name][1]
+
+        def way(d):
+            moved = {k: compiled[name][k](v) for k, v in d.items()}
+            for v in moved.values():
+                v.copy_to_host_async()
+            return {k: back(np.asarray(v), d[k].shape) for k, v in moved.items()}
+        return way
 
     def as_is(d):
         return {k: np.asarray(v) for k, v in d.items()}
@@ -75,20 +102,6 @@ def main():
         for v in d.values():
             v.copy_to_host_async()
         return {k: np.asarray(v) for k, v in d.items()}
-
-    def raveled(d):
-        flat = ravel(d)
-        for v in flat.values():
-            v.copy_to_host_async()
-        return {k: np.asarray(v).reshape(d[k].shape) for k, v in flat.items()}
-
-    ravel_each = {}  # field -> its compiled ravel (compiled, and timed, below)
-
-    def raveled_each(d):
-        flat = {k: ravel_each[k](v) for k, v in d.items()}
-        for v in flat.values():
-            v.copy_to_host_async()
-        return {k: np.asarray(v).reshape(d[k].shape) for k, v in flat.items()}
 
     def one_buffer(d):
         raw, out, at = np.asarray(pack(d)), {}, 0
@@ -99,16 +112,24 @@ def main():
             at += n
         return out
 
-    ways = {"as is": as_is, "async": async_, "raveled": raveled, "raveled each": raveled_each, "one buffer": one_buffer}
+    every = {"as is": as_is, "async": async_, **{name: per_field(name) for name in per_field_ways},
+             "one buffer": one_buffer}
+    unknown = set(args.ways) - set(every)
+    if unknown:
+        parser.error(f"unknown --ways {sorted(unknown)}: choose from {sorted(every)}")
+    ways = {name: every[name] for name in every if name in args.ways}
     started = time.perf_counter()
     first = region()
     jax.block_until_ready(first)
     print(json.dumps({"made_first_region_s": time.perf_counter() - started}), flush=True)
-    for k, v in first.items():  # which field's ravel is slow to compile, apart (printed as it goes)
-        started = time.perf_counter()
-        ravel_each[k] = ravel_one.lower(v).compile()
-        print(json.dumps({"compile_ravel_s": time.perf_counter() - started, "field": k,
-                          "shape": list(v.shape), "dtype": str(v.dtype)}), flush=True)
+    for name in compiled:  # each field's compile, apart: which shapes XLA is slow on (printed as it goes)
+        if name not in ways:
+            continue
+        for k, v in first.items():
+            started = time.perf_counter()
+            compiled[name][k] = jax.jit(per_field_ways[name][0]).lower(v).compile()
+            print(json.dumps({"way": name, "compile_s": time.perf_counter() - started, "field": k,
+                              "shape": list(v.shape), "dtype": str(v.dtype)}), flush=True)
     expect = as_is(first)
     nbytes = sum(a.nbytes for a in expect.values())
     first_s = {}
@@ -121,7 +142,7 @@ def main():
         print(json.dumps({"way": name, "first_s": first_s[name]}), flush=True)
         assert all(np.array_equal(got[k], expect[k]) for k in expect), name
     seconds = {name: [] for name in ways}
-    per_field = {k: [] for k in fields}
+    per_field_s = {k: [] for k in fields}
     for r in range(args.repeats):
         for name, way in ways.items():
             d = region()
@@ -132,17 +153,17 @@ def main():
         for k, v in d.items():
             started = time.perf_counter()
             np.asarray(v)
-            per_field[k].append(time.perf_counter() - started)
+            per_field_s[k].append(time.perf_counter() - started)
     device = str(jax.devices()[0])
     rows = []
     for name, ts in seconds.items():
         s = statistics.median(ts)
         rows.append({"way": name, "field": "(all)", "shape": "", "mb": nbytes / 1e6, "median_s": s,
-                     "mb_per_s": nbytes / s / 1e6, "x_as_is": statistics.median(seconds["as is"]) / s,
+                     "mb_per_s": nbytes / s / 1e6, "x_as_is": statistics.median(seconds["as is"]) / s if "as is" in seconds else None,
                      "first_s": first_s[name],
                      "device": device, "envs": args.envs, "steps": args.steps, "preset": args.preset})
         print(json.dumps(rows[-1]), flush=True)
-    for k, ts in per_field.items():
+    for k, ts in per_field_s.items():
         s, b = statistics.median(ts), expect[k].nbytes
         rows.append({"way": "as is", "field": k, "shape": "x".join(map(str, expect[k].shape)) + f" {expect[k].dtype}",
                      "mb": b / 1e6, "median_s": s, "mb_per_s": b / s / 1e6, "x_as_is": None, "first_s": None,

@@ -396,22 +396,24 @@ def collect(config, collector: int, iteration: int, params, param_version: int,
     return {**rolled, **write(config, rolled)}
 
 
-# Each field as one dense run on the device before its host copy: a TPU keeps an array's two
+# Each field as dense rows on the device before its host copy: a TPU keeps an array's two
 # minor dims in (8, 128) tiles, so fields such as obs [T, N, 3, 18] are padded there and
 # de-tiled on their way out; raveled first, MAPPO's loop on a TPU v5e went from 0.43-0.47x to
-# 0.64-0.82x its plain loop (BENCHMARKS.md, the TPU's fourth sitting).
-_raveled = jax.jit(lambda region: {name: array.reshape(-1) for name, array in region.items()})
-# XLA compiles some of those reshapes slowly: on a TPU v5e, 27 s for a QMIX region's action
-# [32, 4096, 3] and 69 s for its avail_actions [32, 4096, 3, 8] (bench/host_copy.py), which
-# held a lock-step loop's first region for over a minute. So it compiles here, off the
-# rollout's path.
+# 0.64-0.82x its plain loop (BENCHMARKS.md, the TPU's fourth sitting). Each step is raveled in
+# a loop over T ([T, N * ...] leaves): XLA compiled a whole QMIX region's ravel in minutes on
+# that chip (avail_actions [32, 4096, 3, 8] alone 69 s) and the per-step one in 6 s (sixth
+# sitting); [T, N] fields are dense rows already.
+_raveled = jax.jit(lambda region: {
+    name: jax.lax.map(lambda step: step.reshape(-1), array) if array.ndim > 2 else array
+    for name, array in region.items()})
+# Still seconds on a TPU, so it compiles here, off the rollout's path.
 _RAVEL_COMPILER = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="ravel-compile")
 
 
 def _start_host_copy(state: CollectorState, region: dict) -> dict:
     """Starts copying a region's fields (on the device) to the host; returns the arrays being
-    copied: raveled once `_raveled` for this collector's regions has compiled (its compile
-    starts with the first region), the fields as they are until then."""
+    copied: raveled per step once `_raveled` for this collector's regions has compiled (its
+    compile starts with the first region), the fields as they are until then."""
     if state.ravel is None:
         shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), region)
         state.ravel = _RAVEL_COMPILER.submit(lambda: _raveled.lower(shapes).compile())
