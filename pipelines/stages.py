@@ -23,7 +23,6 @@ lands on a fresh worker (a retry, a restart, a resumed run) rebuilds from them.
 
 from __future__ import annotations
 
-import concurrent.futures
 import contextlib
 import dataclasses
 import os
@@ -179,7 +178,6 @@ class CollectorState:
     rollout_state: Any = None
     next_iteration: int = -1
     rollout_lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
-    ravel: concurrent.futures.Future | None = None  # the compiled `_raveled` of this collector's regions
 
 
 @dataclasses.dataclass
@@ -344,7 +342,7 @@ def rollout(config, collector: int, iteration: int, params, param_version: int, 
                 # the learner takes the region as the device holds it; `write` copies it to the
                 # host off the learner's path (a TPU's host copy was as long as its rollouts)
                 data = {name: data[name].astype(field.dtype) for name, field in state.store.fields.items()}
-                host = _start_host_copy(state, data)
+                host = _start_host_copy(data)
             else:
                 data = state.store.conform(region_id, _to_numpy(data))
             stats = _scalars(stats)
@@ -401,24 +399,17 @@ def collect(config, collector: int, iteration: int, params, param_version: int,
 # de-tiled on their way out; raveled first, MAPPO's loop on a TPU v5e went from 0.43-0.47x to
 # 0.64-0.82x its plain loop (BENCHMARKS.md, the TPU's fourth sitting). Each step is raveled in
 # a loop over T ([T, N * ...] leaves): XLA compiled a whole QMIX region's ravel in minutes on
-# that chip (avail_actions [32, 4096, 3, 8] alone 69 s) and the per-step one in 6 s (sixth
-# sitting); [T, N] fields are dense rows already.
+# that chip (avail_actions [32, 4096, 3, 8] alone 69 s), the per-step one in 6 s, once a run
+# (sixth sitting); [T, N] fields are dense rows already.
 _raveled = jax.jit(lambda region: {
     name: jax.lax.map(lambda step: step.reshape(-1), array) if array.ndim > 2 else array
     for name, array in region.items()})
-# Still seconds on a TPU, so it compiles here, off the rollout's path.
-_RAVEL_COMPILER = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="ravel-compile")
 
 
-def _start_host_copy(state: CollectorState, region: dict) -> dict:
-    """Starts copying a region's fields (on the device) to the host; returns the arrays being
-    copied: raveled per step once `_raveled` for this collector's regions has compiled (its
-    compile starts with the first region), the fields as they are until then."""
-    if state.ravel is None:
-        shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), region)
-        state.ravel = _RAVEL_COMPILER.submit(lambda: _raveled.lower(shapes).compile())
-    ready = state.ravel.done() and state.ravel.exception() is None
-    host = state.ravel.result()(region) if ready else region
+def _start_host_copy(region: dict) -> dict:
+    """Starts copying a region's fields (on the device) to the host, each raveled per step;
+    returns the arrays being copied."""
+    host = _raveled(region)
     for array in host.values():  # the copies start now, beside the learner's updates
         array.copy_to_host_async()
     return host
