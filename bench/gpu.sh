@@ -194,7 +194,7 @@ for what in $PARTS; do
     compile)  # where a device's first minutes go: trace, compile, first and steady call per env family
       part compile_probe 240 "$PY" bench/compile_probe.py $PROBE_ARGS
       [ -f "$RESULTS/compile_probe.md" ] && { echo; echo "### compile_probe"; echo; cat "$RESULTS/compile_probe.md"; } >> "$TABLES" ;;
-    hostcopy)  # how fast a region leaves the device: as is, async, raveled first, one buffer
+    hostcopy)  # how fast a region leaves the device: as is, async, raveled per step, env axis last
       part host_copy 300 "$PY" bench/host_copy.py $HOSTCOPY_ARGS
       [ -f "$RESULTS/host_copy.md" ] && { echo; echo "### host_copy"; echo; cat "$RESULTS/host_copy.md"; } >> "$TABLES" ;;
     learners)
