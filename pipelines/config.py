@@ -97,14 +97,14 @@ class RunConfig:
 # QMIX's ring: 1M transitions per seed (PyMARL and PARL keep 5,000 episodes, ~300k transitions
 # on these maps), so a 1M-step 3m run overwrites nothing (a 131k ring measured 0.03-0.06 better
 # mid-run, inside the seeds' spread); larger maps get the ring fitted to the learner's memory
-# (memory.py). 64 updates of 32 windows x 16 steps per 1,024 env steps sample each env step
-# 32 times, as pymarl's QMIX does (one update of 32 episodes per episode collected); at 32
-# updates 3m plateaued at 0.83, at 64 it reached 0.911 +- 0.012 by 1M (BENCHMARKS.md).
+# (memory.py). 32 updates of 32 windows x 16 steps per 1,024 env steps sample each env step
+# 16 times; at 64 (pymarl's 32 samples) 3m met its target (0.911 +- 0.012 by 1M) but no 2s3z
+# seed won by 0.9M, so the preset stays at 32 until 8m and 2s3z decide (BENCHMARKS.md).
 _QMIX_SMAC = dict(
     algo="qmix", env_id="smax:3m", total_env_steps=2_500_000, n_collectors=1,
     envs_per_collector=32, steps_per_region=32, buffer_transitions=1_000_000,
     eval_every=10, checkpoint_every=20,
-    algo_overrides=dict(updates_per_region=64, seq_len=16, eps_end=0.01, eps_decay_steps=50_000,
+    algo_overrides=dict(updates_per_region=32, seq_len=16, eps_end=0.01, eps_decay_steps=50_000,
                         td_lambda=0.6, last_action=True),
 )
 
