@@ -65,6 +65,8 @@ def main():
     import jax.numpy as jnp
     import numpy as np
 
+    from pipelines.stages import ravel_steps
+
     region, fields = make_region(args.preset, args.envs, args.steps)
 
     def as_bytes(v):
@@ -76,9 +78,9 @@ def main():
     # per-field ways: (on the device, jitted per field; back to the field's shape on the host)
     per_field_ways = {
         "raveled each": (lambda v: v.reshape(-1), lambda a, shape: a.reshape(shape)),
-        # each step's [N, ...] raveled inside a loop over T: the compiler sees one step's shape
-        "per step": (lambda v: jax.lax.map(lambda x: x.reshape(-1), v) if v.ndim > 2 else v,
-                     lambda a, shape: a.reshape(shape)),
+        # what the collect stage does: each step's [N, ...] raveled inside a loop over T (the
+        # compiler sees one step's shape)
+        "per step": (ravel_steps, lambda a, shape: a.reshape(shape)),
         # the env axis (the long one) moved minor-most, so the tiles are full; moved back here
         "n last": (lambda v: jnp.moveaxis(v, 1, -1) if v.ndim > 2 else v,
                    lambda a, shape: np.ascontiguousarray(np.moveaxis(a, -1, 1)) if a.ndim > 2 else a),
