@@ -198,6 +198,14 @@ PRESETS: dict[str, dict] = {
     # the same on PARL 2022's task (PettingZoo simple_spread with local_ratio=0): every
     # agent is rewarded -(sum of landmark-to-nearest-agent distances), no collision term
     "maddpg-mpe-parl": {**_MADDPG_MPE, "env_kwargs": {**_MADDPG_MPE["env_kwargs"], "local_ratio": 0.0}},
+    # maddpg-mpe sized for an accelerator: 4,096 envs a region (205k env steps) and 2,048
+    # updates a region, the preset's replay ratio (one update per 100 env steps), in a ring of
+    # 4 regions. On a TPU v5e its plain loop is learner-bound (~900 updates/s) and the stages
+    # ran at 0.96x (K = 0) and 1.10x (K = 1) of it, against 0.20x at maddpg-mpe's 64 envs
+    # (BENCHMARKS.md, the device check's seventh sitting); its learning against maddpg-mpe at
+    # equal env steps is not measured
+    "maddpg-mpe-accel": {**_MADDPG_MPE, "envs_per_collector": 4_096, "buffer_transitions": 819_200,
+                         "algo_overrides": {**_MADDPG_MPE["algo_overrides"], "updates_per_region": 2_048}},
     # a few thousand steps end to end, for tests and smoke runs
     "maddpg-mpe-tiny": dict(
         algo="maddpg", env_id="mpe:simple_spread",
@@ -212,9 +220,11 @@ PRESETS: dict[str, dict] = {
 
 
 # Regions smaller than this leave an accelerator idle between the stages' Dask round trips:
-# on a TPU v5e, MAPPO's 128 x 128 regions (16k env steps) ran the stages at 0.10x the plain
-# fused loop, 4,096 x 128 (524k) at 0.64-0.82x (BENCHMARKS.md, the device check on a TPU v5e).
-ACCELERATOR_REGION_STEPS = 262_144
+# on a TPU v5e (BENCHMARKS.md, the device check on a TPU v5e) MAPPO's 128 x 128 regions (16k
+# env steps) ran the stages at 0.10x the plain fused loop and MADDPG's 64 x 50 at 0.20x, while
+# QMIX's 4,096 x 32 (131k) ran at 0.88-0.89x, MADDPG's 4,096 x 50 (205k) at 0.96-1.10x and
+# MAPPO's 4,096 x 128 (524k) at 0.84x (K = 1).
+ACCELERATOR_REGION_STEPS = 131_072
 
 
 def accelerator_hint(config: RunConfig) -> str | None:

@@ -158,10 +158,15 @@ def test_cpu_sized_presets_say_how_to_size_a_run_for_an_accelerator():
     from pipelines.config import accelerator_hint, make_run_config
 
     hint = accelerator_hint(make_run_config("mappo-mpe"))
-    assert "mappo-mpe-accel or --set envs_per_collector=2048" in hint and "\n" not in hint
+    assert "mappo-mpe-accel or --set envs_per_collector=1024" in hint and "\n" not in hint
     assert "replay ratio" in accelerator_hint(make_run_config("qmix-smac"))  # off-policy: scale the updates too
     accel, cpu = make_run_config("mappo-mpe-accel"), make_run_config("mappo-mpe")
     assert accelerator_hint(accel) is None and accel.n_iterations == 20
     # the same learner and settings, only the run's size differs
     differ = {k for k, v in accel.to_dict().items() if cpu.to_dict()[k] != v}
     assert differ == {"preset", "run_dir", "envs_per_collector", "total_env_steps", "buffer_transitions"}
+    # MADDPG's accelerator preset keeps maddpg-mpe's replay ratio (updates per env step)
+    accel, cpu = make_run_config("maddpg-mpe-accel"), make_run_config("maddpg-mpe")
+    assert accelerator_hint(accel) is None and "maddpg-mpe-accel or" in accelerator_hint(cpu)
+    ratio = [c.algo_config().updates_per_region / c.transitions_per_region for c in (accel, cpu)]
+    assert ratio[0] == ratio[1] and accel.n_slots == 4
