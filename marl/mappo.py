@@ -66,6 +66,9 @@ class Config:
     # > 0) then gets a whole trust region of updates; where they acted, it is plain PPO
     decoupled_clip: bool = False
     value_clip_eps: float = 0.2  # value clip around the values before the update
+    # the critic learns targets normalised by their running mean and std (MAPPO's ValueNorm):
+    # its outputs and the value clip live in that space, GAE and `score` in the return's
+    value_norm: bool = False
     ent_coef: float = 0.01
     vf_coef: float = 0.5
     max_grad_norm: float = 0.5  # per network (actor and critic have their own optimiser)
@@ -83,6 +86,10 @@ SHAPING_NEEDS = ("reward_shaping_horizon={horizon} needs an env with a shaping t
 ACTION_SPACES = ("discrete", "continuous")
 ACTIVATIONS = {"tanh": nn.tanh, "relu": nn.relu}
 MASKED = -1e9  # logit of an unavailable action: probability exactly 0 in float32, no NaN
+# value_norm's moments: so slow an average that, debiased, it is about the mean over every
+# train call so far (MAPPO's ValueNorm: beta 0.99999, the variance floored at 1e-2)
+VALUE_NORM_BETA = 0.99999
+VALUE_NORM_MIN_VAR = 1e-2
 
 
 # --------------------------------------------------------------------------- networks
@@ -259,9 +266,12 @@ def make_learner(spec: EnvSpec, config: Config):
         carry = jnp.zeros((1, n_agents, config.hidden))
         params = {"actor": actor.init(k_actor, carry, obs),
                   "critic": critic.init(k_critic, obs, jnp.zeros((1, *state_shape), state_dtype))}
-        return {"params": params, "actor_opt": actor_opt.init(params["actor"]),
-                "critic_opt": critic_opt.init(params["critic"]),
-                "updates": jnp.array(0, jnp.int32), "key": key}
+        train_state = {"params": params, "actor_opt": actor_opt.init(params["actor"]),
+                       "critic_opt": critic_opt.init(params["critic"]),
+                       "updates": jnp.array(0, jnp.int32), "key": key}
+        if config.value_norm:
+            train_state["value_norm"] = {k: jnp.float32(0.0) for k in ("mean", "mean_sq", "debias")}
+        return train_state
 
     # ---------------------------------------------------------------------- acting
 
@@ -342,28 +352,59 @@ def make_learner(spec: EnvSpec, config: Config):
     def values(critic_params, batch):
         return critic.apply(critic_params, batch["obs"], batch["state"])
 
+    # ---------------------------------------------------------- value normalisation
+
+    def value_moments(stats):
+        """The running mean and std of the value targets (debiased exponential averages)."""
+        debias = jnp.maximum(stats["debias"], 1e-5)
+        mean = stats["mean"] / debias
+        return mean, jnp.sqrt(jnp.maximum(stats["mean_sq"] / debias - mean**2, VALUE_NORM_MIN_VAR))
+
+    def value_norm_update(stats, targets, weight):
+        """The running moments with one train call's targets (those `weight` keeps) folded in."""
+        weight = jnp.broadcast_to(weight.reshape(weight.shape + (1,) * (targets.ndim - weight.ndim)), targets.shape)
+        total = jnp.maximum(weight.sum(), 1.0)
+        batch = {"mean": jnp.sum(weight * targets) / total, "mean_sq": jnp.sum(weight * targets**2) / total,
+                 "debias": jnp.float32(1.0)}
+        return jax.tree.map(lambda old, new: VALUE_NORM_BETA * old + (1.0 - VALUE_NORM_BETA) * new, stats, batch)
+
+    def raw_values(train_state, batch):
+        """State values on the return's scale, whatever space the critic learns in."""
+        value = values(train_state["params"]["critic"], batch)
+        if not config.value_norm:
+            return value
+        mean, std = value_moments(train_state["value_norm"])
+        return value * std + mean
+
     # ------------------------------------------------------------------------ loss
 
-    def prepare(old_params, batch, shaping_coef=None):
+    def prepare(old_state, batch, shaping_coef=None):
         """Advantages and value targets of sequences [B, T] with the critic that acted, of
         the env's reward plus `shaping_coef` x its shaping term where shaping is on (and,
-        with decoupled_clip, the actor's log-probabilities before the update).
+        with decoupled_clip, the actor's log-probabilities before the update). Returns the
+        prepared batch and `old_state`'s value_norm moments with its targets folded in
+        (None without value_norm); targets and old values are then in the critic's space.
 
         The last step of each sequence has no next observation here (it is the first
         step of the next region), so its transition is dropped from the loss and its
         value only bootstraps step T-2: targets cover steps 0..T-2. `weight` [B, T-1] leaves
         out the cut steps too (a time limit, a restart), which have no target."""
-        value = jax.lax.stop_gradient(values(old_params["critic"], batch))  # [B, T, agent]
+        value = jax.lax.stop_gradient(raw_values(old_state, batch))  # [B, T, agent]
         cut = transition.cut(batch)
+        weight = (~cut).astype(jnp.float32)
         reward = batch["reward"]
         if shaping is not None:
             reward = reward + shaping_coef * batch["shaped_reward"]
         adv, targets = gae(reward[:, :-1], batch["terminated"][:, :-1], cut, value,
                            config.gamma, config.gae_lambda)
+        value_old, stats = value[:, :-1], None
+        if config.value_norm:  # the critic learns in the space of the moments with these targets in
+            stats = value_norm_update(old_state["value_norm"], targets, weight)
+            mean, std = value_moments(stats)
+            targets, value_old = (targets - mean) / std, (value_old - mean) / std
         if config.decoupled_clip:  # the proximal policy: the actor before this update
-            batch = {**batch, "logp_proximal": log_prob_and_entropy(old_params["actor"], batch)[0]}
-        return {**batch, "advantage": adv, "target": targets, "value_old": value[:, :-1],
-                "weight": (~cut).astype(jnp.float32)}
+            batch = {**batch, "logp_proximal": log_prob_and_entropy(old_state["params"]["actor"], batch)[0]}
+        return {**batch, "advantage": adv, "target": targets, "value_old": value_old, "weight": weight}, stats
 
     def ppo_loss(params, batch):
         """The PPO loss of prepared sequences (see `prepare`) and its parts, averaged over
@@ -395,11 +436,11 @@ def make_learner(spec: EnvSpec, config: Config):
                       "entropy": entropy, "approx_kl": mean((ratio - 1.0) - log_ratio),
                       "clip_frac": mean(jnp.abs(ratio - 1.0) > config.clip_eps)}
 
-    def loss_fn(params, old_params, batch, shaping_coef=0.0):
-        """The PPO loss of `params` on sequences that `old_params` collected (they give the
-        advantages and the values to clip around, like QMIX's target params); with shaping
-        on, of reward + shaping_coef x the shaping term."""
-        return ppo_loss(params, prepare(old_params, batch, shaping_coef))
+    def loss_fn(params, old_state, batch, shaping_coef=0.0):
+        """The PPO loss of `params` on sequences that the train state `old_state` collected
+        (its params give the advantages and the values to clip around, like QMIX's target
+        params); with shaping on, of reward + shaping_coef x the shaping term."""
+        return ppo_loss(params, prepare(old_state, batch, shaping_coef)[0])
 
     def update(train_state, batch):
         """One gradient step on a prepared minibatch; actor and critic have their own
@@ -433,7 +474,9 @@ def make_learner(spec: EnvSpec, config: Config):
             shaping_coef = None
         else:
             shaping_coef = shaping_coefficient(train_state, arrays)
-        batch = prepare(train_state["params"], sequences(arrays), shaping_coef)
+        batch, value_stats = prepare(train_state, sequences(arrays), shaping_coef)
+        if value_stats is not None:
+            train_state = {**train_state, "value_norm": value_stats}
         n_seq = batch["obs"].shape[0]
         if n_seq % config.minibatches:
             raise ValueError(f"minibatches={config.minibatches} does not divide the {n_seq} env "
@@ -451,6 +494,9 @@ def make_learner(spec: EnvSpec, config: Config):
         train_state, metrics = jax.lax.scan(epoch, train_state, None, config.epochs)
         metrics = jax.tree.map(jnp.mean, metrics)
         metrics["value"] = batch["value_old"].mean()
+        if config.value_norm:  # on the return's scale
+            mean, std = value_moments(value_stats)
+            metrics["value"] = metrics["value"] * std + mean
         metrics["lr"] = jnp.asarray(lr_schedule(train_state["updates"]), jnp.float32)
         if shaping is not None:
             metrics["shaping_coef"] = jnp.asarray(shaping_coef, jnp.float32)
@@ -469,7 +515,7 @@ def make_learner(spec: EnvSpec, config: Config):
     @jax.jit
     def score_arrays(train_state, batch):
         logp, entropy = log_prob_and_entropy(train_state["params"]["actor"], batch)
-        return {"value": values(train_state["params"]["critic"], batch), "logp_current": logp,
+        return {"value": raw_values(train_state, batch), "logp_current": logp,
                 "logp_behaviour": batch["logp"], "log_ratio": logp - batch["logp"],
                 "entropy": entropy}
 

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from marl import algos, envs, mappo, rollout
+from marl import algos, envs, mappo, rollout, transition
 from pipelines.config import make_run_config
 from storage import Checkpointer, ReplayStore, open_replay
 
@@ -106,9 +106,9 @@ def test_one_update_on_a_fixed_batch_lowers_its_loss(which, request):
     _, learner, state, data, seq = request.getfixturevalue(which)
     loss = jax.jit(learner.loss_fn)
     old = state["params"]
-    before, parts_before = loss(old, old, seq)
+    before, parts_before = loss(old, state, seq)
     new_state, metrics = learner.train(state, region(data), jnp.ones(1, bool), 1)
-    after, parts_after = loss(new_state["params"], old, seq)
+    after, parts_after = loss(new_state["params"], state, seq)
     assert int(new_state["updates"]) == 2 * 2  # epochs x minibatches
     assert float(after) < float(before)
     assert float(parts_after["value_loss"]) < float(parts_before["value_loss"])
@@ -124,7 +124,7 @@ def test_a_lagged_region_gets_a_whole_trust_region_with_the_decoupled_clip(feed_
     plain_loss, decoupled_loss = jax.jit(learner.loss_fn), jax.jit(decoupled.loss_fn)
     # where the learner's params are the ones that acted, it is plain PPO
     old = state["params"]
-    (p, p_parts), (d, d_parts) = plain_loss(old, old, seq), decoupled_loss(old, old, seq)
+    (p, p_parts), (d, d_parts) = plain_loss(old, state, seq), decoupled_loss(old, state, seq)
     np.testing.assert_allclose(float(d), float(p), rtol=1e-5)
     np.testing.assert_allclose(float(d_parts["actor_loss"]), float(p_parts["actor_loss"]), rtol=1e-5, atol=1e-7)
     # the learner some updates ahead of the params that acted (max_policy_lag > 0): plain PPO
@@ -133,13 +133,40 @@ def test_a_lagged_region_gets_a_whole_trust_region_with_the_decoupled_clip(feed_
     ahead = state
     for _ in range(4):
         ahead, _ = learner.train(ahead, region(data), jnp.ones(1, bool), 1)
-    _, lagged = plain_loss(ahead["params"], ahead["params"], seq)
-    _, fresh = decoupled_loss(ahead["params"], ahead["params"], seq)
+    _, lagged = plain_loss(ahead["params"], ahead, seq)
+    _, fresh = decoupled_loss(ahead["params"], ahead, seq)
     assert float(lagged["clip_frac"]) > 0.0 and float(lagged["approx_kl"]) > 1e-4
     assert float(fresh["clip_frac"]) == 0.0 and abs(float(fresh["approx_kl"])) < 1e-6
     moved, _ = decoupled.train(ahead, region(data), jnp.ones(1, bool), 1)
-    after, _ = decoupled_loss(moved["params"], ahead["params"], seq)
-    assert float(after) < float(decoupled_loss(ahead["params"], ahead["params"], seq)[0])
+    after, _ = decoupled_loss(moved["params"], ahead, seq)
+    assert float(after) < float(decoupled_loss(ahead["params"], ahead, seq)[0])
+
+
+def test_value_norm_learns_targets_in_their_running_moments_and_scores_on_the_returns_scale(feed_forward):
+    env, learner, _, data, seq = feed_forward
+    normed = mappo.make_learner(env.spec, dataclasses.replace(learner.config, value_norm=True))
+    state = normed.init(jax.random.PRNGKey(0))
+    critic_out = lambda s: normed.mixer.apply(s["params"]["critic"], seq["obs"], seq["state"])
+    # before any target: mean 0 and the std at its floor, 0.1 (MAPPO's ValueNorm starts so)
+    value = normed.score(state, seq)["value"][0]
+    np.testing.assert_allclose(value, 0.1 * critic_out(state), rtol=1e-5)
+    # the first train call's moments are those of its value targets (the steps the loss keeps)
+    cut = transition.cut(seq)
+    _, targets = mappo.gae(seq["reward"][:, :-1], seq["terminated"][:, :-1], cut, value,
+                           learner.config.gamma, learner.config.gae_lambda)
+    keep = jnp.broadcast_to((~cut)[..., None], targets.shape)
+    want_mean = float(jnp.sum(jnp.where(keep, targets, 0.0)) / keep.sum())
+    want_std = float(jnp.sqrt(jnp.sum(jnp.where(keep, (targets - want_mean) ** 2, 0.0)) / keep.sum()))
+    trained, metrics = normed.train(state, region(data), jnp.ones(1, bool), 1)
+    stats = trained["value_norm"]
+    mean = float(stats["mean"] / stats["debias"])
+    std = float(np.sqrt(stats["mean_sq"] / stats["debias"] - mean**2))
+    assert want_std > 1.0 and mean == pytest.approx(want_mean, rel=1e-3) and std == pytest.approx(want_std, rel=1e-3)
+    # the critic's outputs are in those moments' space; score gives them back on the return's scale
+    np.testing.assert_allclose(normed.score(trained, seq)["value"][0], critic_out(trained) * std + mean,
+                               rtol=1e-3, atol=1e-3)
+    # the values the update started from, reported on the return's scale too
+    assert float(metrics["value"]) == pytest.approx(float(value[:, :-1].mean()), rel=1e-3, abs=1e-5)
 
 
 def test_the_decoupled_clip_follows_the_policy_lag_unless_set():
