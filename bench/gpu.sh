@@ -39,7 +39,8 @@
 # default "qmix-smac mappo-mpe maddpg-mpe"), GPU_CHECK_PROBE_ARGS (the compile part's, default
 # "--envs 4096 --case-timeout-s 50"), GPU_CHECK_HOSTCOPY_ARGS (the hostcopy part's, default
 # "--envs 4096 --steps 128 --repeats 3"), GPU_CHECK_LOOP_LIMIT_S (each loop part's limit, default
-# 200: QMIX's plain loop alone took 130 s on a TPU v5e, so give it 400), GPU_CHECK_PROFILE (1:
+# 200: QMIX's plain loop alone took 130 s on a TPU v5e, so give it 400), GPU_CHECK_LEARNERS_LIMIT_S
+# (the learners part's limit, default 90; a TPU compiles SMAX's region for it), GPU_CHECK_PROFILE (1:
 # each stages run of a loop part samples its threads' stacks, and tables.md gets
 # bench/profile_summary.py's per-thread tables), PYTHON (default python3), GPU_CHECK_DIR (where
 # stores are written, default $TMPDIR or /tmp).
@@ -198,7 +199,7 @@ for what in $PARTS; do
       part host_copy 300 "$PY" bench/host_copy.py $HOSTCOPY_ARGS
       [ -f "$RESULTS/host_copy.md" ] && { echo; echo "### host_copy"; echo; cat "$RESULTS/host_copy.md"; } >> "$TABLES" ;;
     learners)
-      part learners 90 "$PY" bench/gpu_check.py learners --out "$OUT" --seconds "$LEARN_S" --presets $PRESETS ;;
+      part learners "${GPU_CHECK_LEARNERS_LIMIT_S:-90}" "$PY" bench/gpu_check.py learners --out "$OUT" --seconds "$LEARN_S" --presets $PRESETS ;;
     *) echo "unknown part '$what' in GPU_CHECK_PARTS (write, collect, loop:<algo>, learners, compile, hostcopy)" >&2; exit 2 ;;
   esac
 done

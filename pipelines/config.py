@@ -134,6 +134,13 @@ PRESETS: dict[str, dict] = {
     # 0.48 at 98k). Env steps are nearly free here, so one update per 32 collected steps, short
     # windows and a low final epsilon buy the most.
     "qmix-smac": _QMIX_SMAC,
+    # qmix-smac sized for an accelerator: 4,096 envs a region (131k env steps) and 4,096
+    # updates a region, the preset's replay ratio (one update per 32 env steps). On a TPU v5e
+    # its plain loop is learner-bound (86k env steps/s) and the stages ran at 0.90x (K = 0)
+    # and 1.32x (K = 1) of it, greedy test win 0.75-0.81 at 1M env steps, seed 0
+    # (BENCHMARKS.md, the device check's seventh sitting)
+    "qmix-smac-accel": {**_QMIX_SMAC, "envs_per_collector": 4_096,
+                        "algo_overrides": {**_QMIX_SMAC["algo_overrides"], "updates_per_region": 4_096}},
     # QMIX's relatives on the same settings: only the mixer differs
     "vdn-smax": {**_QMIX_SMAC, "algo": "vdn"},
     "iql-smax": {**_QMIX_SMAC, "algo": "iql"},

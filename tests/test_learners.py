@@ -165,8 +165,9 @@ def test_cpu_sized_presets_say_how_to_size_a_run_for_an_accelerator():
     # the same learner and settings, only the run's size differs
     differ = {k for k, v in accel.to_dict().items() if cpu.to_dict()[k] != v}
     assert differ == {"preset", "run_dir", "envs_per_collector", "total_env_steps", "buffer_transitions"}
-    # MADDPG's accelerator preset keeps maddpg-mpe's replay ratio (updates per env step)
-    accel, cpu = make_run_config("maddpg-mpe-accel"), make_run_config("maddpg-mpe")
-    assert accelerator_hint(accel) is None and "maddpg-mpe-accel or" in accelerator_hint(cpu)
-    ratio = [c.algo_config().updates_per_region / c.transitions_per_region for c in (accel, cpu)]
-    assert ratio[0] == ratio[1] and accel.n_slots == 4
+    # the off-policy accelerator presets keep their CPU preset's replay ratio (updates per env step)
+    for name, slots in [("maddpg-mpe", 4), ("qmix-smac", 7)]:
+        accel, cpu = make_run_config(name + "-accel"), make_run_config(name)
+        assert accelerator_hint(accel) is None and f"{name}-accel or" in accelerator_hint(cpu)
+        ratio = [c.algo_config().updates_per_region / c.transitions_per_region for c in (accel, cpu)]
+        assert ratio[0] == ratio[1] and accel.n_slots == slots
