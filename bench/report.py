@@ -43,6 +43,9 @@ def embedded_prefect(home: str = ".prefect", startup_timeout_s: int = 90):
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", str(startup_timeout_s))
     os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
+    from flows.cli import migrate_embedded_home
+
+    migrate_embedded_home()  # runs started together on a fresh home would race its creation
 
 
 def figure_path(name: str) -> str:

@@ -40,6 +40,28 @@ def _embedded_defaults(verbose: bool = False):
             lambda record: not str(record.msg).startswith("Worker process still alive after"))
 
 
+def migrate_embedded_home() -> None:
+    """Creates the embedded Prefect home's database, once, under a file lock. Runs started
+    together on a fresh home would otherwise each migrate it as their temporary servers start,
+    and all but one server fail ("Application startup failed"). A home whose database exists,
+    a server at PREFECT_API_URL or a database elsewhere is left alone."""
+    if any(os.environ.get(name) for name in ("PREFECT_API_URL", "PREFECT_API_DATABASE_CONNECTION_URL",
+                                             "PREFECT_SERVER_DATABASE_CONNECTION_URL")):
+        return
+    import asyncio
+    import fcntl
+
+    home = os.environ.get("PREFECT_HOME", os.path.expanduser("~/.prefect"))
+    os.makedirs(home, exist_ok=True)
+    with open(os.path.join(home, ".migrate.lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, or the process dies
+        if os.path.exists(os.path.join(home, "prefect.db")):
+            return
+        from prefect.server.database import provide_database_interface
+
+        asyncio.run(provide_database_interface().create_db())
+
+
 class Parser(argparse.ArgumentParser):
     """argparse with its errors in one line (argparse prints the whole usage first)."""
 
@@ -132,6 +154,7 @@ def cmd_train(args) -> int:
 
     from flows import train as train_flow
 
+    migrate_embedded_home()
     quiet_reported_failures()
     console = Console(quiet=args.quiet)  # --quiet: only the final line below
 
