@@ -15,7 +15,12 @@
 # updates/s per preset; the QMIX and MADDPG loops (bench/gpu_check.py); and, asked for by name,
 # "compile": trace, compile, first and steady call of each env family's rollout, apart
 # (bench/compile_probe.py), and "hostcopy": how fast a region leaves the device
-# (bench/host_copy.py). Measured on this 2-core CPU (GPU_CHECK_SIZE=small, the default
+# (bench/host_copy.py); and "maps": SMAX learning runs of bench/smax_maps.py on the accelerator
+# (GPU_CHECK_MAPS_ARGS, its arguments; GPU_CHECK_MAPS_LIMIT_S, default 540) with CPU-only runs
+# beside it on the machine's other cores (GPU_CHECK_MAPS_CPU_ARGS, argument sets separated by
+# ';'), each run's metrics.csv and wall log brought back as $OUT/maps-<device|cpuN>-<algo>-<map>/
+# (read them here by copying that folder to <root>/<algo>-<map> and running
+# `python bench/smax_maps.py --report-only --run-root <root>`). Measured on this 2-core CPU (GPU_CHECK_SIZE=small, the default
 # parts, 2026-12-05): 98-107 s end to end. Results go to $OUT as three files, appended as they
 # are measured: rows.jsonl (every row, tagged with its part), tables.md, log.txt (the
 # benchmarks' own json/md/png go to $GPU_CHECK_DIR/gpu-check-results, never to bench/results).
@@ -198,9 +203,39 @@ for what in $PARTS; do
     hostcopy)  # how fast a region leaves the device: as is, async, raveled per step, env axis last
       part host_copy 300 "$PY" bench/host_copy.py $HOSTCOPY_ARGS
       [ -f "$RESULTS/host_copy.md" ] && { echo; echo "### host_copy"; echo; cat "$RESULTS/host_copy.md"; } >> "$TABLES" ;;
+    maps)  # SMAX learning runs (bench/smax_maps.py, the loop without Prefect, which this machine lacks):
+      # GPU_CHECK_MAPS_ARGS on the accelerator and, at the same time, each ';'-separated argument
+      # set of GPU_CHECK_MAPS_CPU_ARGS as a CPU-only run of its own on the machine's other cores
+      MAPS_ROOT=$DIR/maps-runs
+      cpu_pids=()
+      IFS=';' read -ra CPU_RUNS <<< "${GPU_CHECK_MAPS_CPU_ARGS:-}"
+      i=0
+      for args in "${CPU_RUNS[@]}"; do
+        [ -n "${args// }" ] || continue
+        i=$((i + 1))
+        ( eval "set -- $args"
+          timeout --kill-after=10 "$(left)" env JAX_PLATFORMS=cpu "$PY" bench/smax_maps.py --orchestrator none \
+            --run-root "$MAPS_ROOT/cpu$i" --results-name "maps-cpu$i" "$@" > "$OUT/maps-cpu$i.log" 2>&1
+          echo "| smax_maps cpu$i ($args) | exit $? |" >> "$OUT/status.md.tmp" ) &
+        cpu_pids+=($!)
+      done
+      eval "set -- ${GPU_CHECK_MAPS_ARGS:-}"
+      [ $# -gt 0 ] && part "smax_maps ${GPU_CHECK_MAPS_ARGS}" "${GPU_CHECK_MAPS_LIMIT_S:-540}" "$PY" bench/smax_maps.py \
+        --orchestrator none --run-root "$MAPS_ROOT/device" --results-name maps-device "$@"
+      [ ${#cpu_pids[@]} -gt 0 ] && wait "${cpu_pids[@]}"
+      # each run's curve and wall log come back (not its replay or checkpoints), one folder deep
+      # as the device tool brings folders back: $OUT/maps-device-mappo-8m/metrics.csv
+      for d in "$MAPS_ROOT"/*/*/; do
+        [ -f "$d/metrics.csv" ] || continue
+        rel=${d#"$MAPS_ROOT"/}; rel=maps-${rel%/}; rel=${rel//\//-}; mkdir -p "$OUT/$rel"
+        cp "$d/metrics.csv" "$OUT/$rel"; cp "$d/bench_wall.json" "$OUT/$rel" 2>/dev/null
+      done
+      for f in "$RESULTS"/maps-*.md; do
+        [ -f "$f" ] && { echo; echo "### $(basename "$f" .md)"; echo; cat "$f"; } >> "$TABLES"
+      done ;;
     learners)
       part learners "${GPU_CHECK_LEARNERS_LIMIT_S:-90}" "$PY" bench/gpu_check.py learners --out "$OUT" --seconds "$LEARN_S" --presets $PRESETS ;;
-    *) echo "unknown part '$what' in GPU_CHECK_PARTS (write, collect, loop:<algo>, learners, compile, hostcopy)" >&2; exit 2 ;;
+    *) echo "unknown part '$what' in GPU_CHECK_PARTS (write, collect, loop:<algo>, learners, compile, hostcopy, maps)" >&2; exit 2 ;;
   esac
 done
 

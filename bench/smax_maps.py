@@ -2,7 +2,7 @@
 and 3s5z, several vmapped seeds per run, through the whole pipeline (Prefect flow, local Dask
 cluster, Zarr replay, orbax checkpoints).
 
-    python bench/smax_maps.py [--algos qmix,mappo] [--maps 3m,8m,2s3z,3s5z] [--seeds 3]
+    python bench/smax_maps.py [--algos qmix,mappo] [--maps 3m,8m,2s3z,3s5z] [--seeds 3] [--orchestrator auto]
                               [--eval-episodes 256] [--evals 40] [--budget-scale 1.0]
                               [--max-wall-s 0] [--report-only] [--set KEY=VALUE ...]
 
@@ -63,13 +63,15 @@ def run_dir_of(root: str, algo: str, scenario: str) -> str:
 def train(algo: str, scenario: str, args, overrides: dict) -> None:
     """Trains (or resumes) one run to its budget; every evaluated row's cumulative wall time
     goes to the run dir's WALL_LOG."""
-    from flows import train as train_flow
+    from flows import training
     from pipelines.config import make_run_config
 
     budget = int(TARGETS[scenario][0] * args.budget_scale)
     run_dir = run_dir_of(args.run_root, algo, scenario)
     preset = PRESETS[algo]
-    n_iterations = make_run_config(preset, env_id=f"smax:{scenario}", total_env_steps=budget).n_iterations
+    # the run's own shape: a --set of envs_per_collector or steps_per_region changes its iterations
+    n_iterations = make_run_config(preset, env_id=f"smax:{scenario}", total_env_steps=budget,
+                                   overrides=overrides).n_iterations
     schedule = {}
     if algo in ANNEALED:  # the learning rate decays to 0 over exactly this map's budget
         schedule["anneal_lr_iterations"] = str(n_iterations)
@@ -97,12 +99,23 @@ def train(algo: str, scenario: str, args, overrides: dict) -> None:
             json.dump(log, f)
         os.replace(log_path + ".tmp", log_path)
 
-    train_flow.ITERATION_HOOKS.append(record)
+    training.ITERATION_HOOKS.append(record)
     try:
-        train_flow.marl_train(preset=preset, env=f"smax:{scenario}", env_steps=budget, run_dir=run_dir,
-                              seeds=args.seeds, seed=args.seed, overrides=overrides)
+        if args.orchestrator == "prefect":
+            from flows import train as train_flow
+
+            train_flow.marl_train(preset=preset, env=f"smax:{scenario}", env_steps=budget, run_dir=run_dir,
+                                  seeds=args.seeds, seed=args.seed, overrides=overrides)
+        else:  # the same loop on the same local Dask cluster, without Prefect around it
+            from flows import checks
+
+            config = make_run_config(preset, env_id=f"smax:{scenario}", total_env_steps=budget,
+                                     seed=args.seed, run_dir=run_dir,
+                                     overrides={**overrides, "n_seeds": args.seeds})
+            checks.check_run(config, None, 2)
+            training.run_training(config)
     finally:
-        train_flow.ITERATION_HOOKS.remove(record)
+        training.ITERATION_HOOKS.remove(record)
         log["sittings"].append({"wall_s": time.perf_counter() - started, "machine": where,
                                 "date": time.strftime("%Y-%m-%d %H:%M")})
         save_log()
@@ -219,6 +232,10 @@ def main():
     parser.add_argument("--run-root", default="runs/bench-smax-maps")
     parser.add_argument("--results-name", default="smax_maps",
                         help="bench/results/NAME.{json,md,png}; a trial's own, so the main table stays")
+    parser.add_argument("--orchestrator", choices=("auto", "prefect", "none"), default="auto",
+                        help="prefect: each run is a marl-train flow run (embedded Prefect); none: the "
+                             "same loop without Prefect (a machine that has none, as the device's); "
+                             "auto: prefect where it is installed")
     parser.add_argument("--report-only", action="store_true", help="only rebuild the table and figure")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="a preset override for every run, as marl train's --set")
@@ -227,8 +244,13 @@ def main():
     bad = sorted(set(algos) - set(PRESETS)) + sorted(set(maps) - set(TARGETS))
     if bad:
         parser.error(f"unknown {', '.join(bad)}; algorithms: {', '.join(PRESETS)}; maps: {', '.join(TARGETS)}")
+    if args.orchestrator == "auto":
+        import importlib.util
+
+        args.orchestrator = "prefect" if importlib.util.find_spec("prefect") else "none"
     if not args.report_only:
-        report.embedded_prefect()
+        if args.orchestrator == "prefect":
+            report.embedded_prefect()
         os.environ.setdefault("DASK_LOGGING__DISTRIBUTED", "warning")
         overrides = dict(kv.split("=", 1) for kv in args.set)
         for scenario in maps:

@@ -16,7 +16,7 @@ from prefect import flow, get_run_logger, task
 from prefect.artifacts import create_markdown_artifact
 from prefect.cache_policies import NO_CACHE
 
-from flows.train import quiet_task_errors
+from flows.training import quiet_task_errors
 from pipelines import cluster as clusters
 from pipelines import reanalyze
 

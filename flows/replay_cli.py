@@ -330,7 +330,7 @@ def cmd_replay_reanalyze(args) -> int:
     _embedded_defaults()  # before prefect is imported
     from flows.cli import fail, quiet_reported_failures
     from flows.reanalyze import marl_reanalyze
-    from flows.train import StageError, stage_errors
+    from flows.training import StageError, stage_errors
 
     quiet_reported_failures()
     try:  # an error inside a task: one line, its traceback in <run dir>/logs

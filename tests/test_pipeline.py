@@ -236,3 +236,31 @@ def test_runs_started_together_on_a_fresh_prefect_home_create_its_database_once(
     with sqlite3.connect(home / "prefect.db") as db:
         assert len(db.execute("select version_num from alembic_version").fetchall()) == 1
         assert db.execute("select count(*) from sqlite_master where name = 'flow_run'").fetchone()[0] == 1
+
+
+def test_the_training_loop_runs_without_prefect(tmp_path, dask_cluster):
+    """A machine without Prefect (the device machine) runs the same loop: flows.training in a
+    process where importing prefect fails, on the real cluster, writes the run's metrics and
+    checkpoint; bench/smax_maps.py loads there too (its --orchestrator none)."""
+    import subprocess
+    import sys
+
+    run_dir = tmp_path / "run"
+    script = f"""
+import sys
+sys.modules["prefect"] = None  # an import of prefect now raises ImportError
+from flows.training import run_training
+from pipelines.config import make_run_config
+config = make_run_config({TINY!r}, run_dir={str(run_dir)!r}, total_env_steps=1024)
+result = run_training(config, scheduler_address={dask_cluster.scheduler_address!r})
+print("iterations", result["iterations"], "env_steps", result["env_steps"])
+import runpy
+runpy.run_path("bench/smax_maps.py")  # its imports, not its main
+"""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    done = subprocess.run([sys.executable, "-c", script], cwd=root, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "iterations 2 env_steps 1024" in done.stdout
+    rows = (run_dir / "metrics.csv").read_text().splitlines()
+    assert rows[0].startswith("iteration,env_steps") and len(rows) == 3
+    assert os.listdir(run_dir / "checkpoints")
