@@ -3,6 +3,9 @@ all agents, the critic being the difference between them:
 
     central (MAPPO)  the critic sees the global state (plus the agent's one-hot id) and
                      gives one value per agent and env step
+    agent   (MAPPO)  the global state and the agent's own observation beside it (plus its
+                     id): MAPPO's agent-specific global state, for values that follow what
+                     each agent itself sees (its position, its targets, whether it is alive)
     local   (IPPO)   the critic sees only the agent's own observation (plus its id)
 
 Reads top to bottom:
@@ -50,7 +53,7 @@ from marl.learner import Learner
 
 @dataclasses.dataclass(frozen=True)
 class Config:
-    critic: str = "central"  # "central" (MAPPO: global state) or "local" (IPPO: own obs)
+    critic: str = "central"  # "central" (MAPPO: global state), "agent" (state + own obs) or "local" (IPPO: own obs)
     recurrent: bool = False  # GRU actor; its hidden state is stored per step as `actor_h`
     hidden: int = 64
     activation: str = "tanh"  # "tanh" or "relu"
@@ -80,7 +83,7 @@ class Config:
     reward_shaping_horizon: int = 0
 
 
-CRITICS = ("central", "local")
+CRITICS = ("central", "agent", "local")
 SHAPING_NEEDS = ("reward_shaping_horizon={horizon} needs an env with a shaping term beside its reward "
                  "(jaxmarl:overcooked, jaxmarl:overcooked_v2) and {env} has none; drop the setting")
 ACTION_SPACES = ("discrete", "continuous")
@@ -127,23 +130,28 @@ class Actor(nn.Module):
 
 class Critic(nn.Module):
     """What the critic sees + agent id -> Dense -> Dense -> one value per agent: the global
-    state, the same for every agent (central, MAPPO), or the agent's own obs (local, IPPO);
-    an image through the conv encoder (once per state, not per agent)."""
+    state, the same for every agent (central, MAPPO), the state with the agent's own obs
+    beside it (agent), or the agent's own obs alone (local, IPPO); an image through a conv
+    encoder (a state's once per state, not per agent)."""
 
     hidden: int
     activation: str
     n_agents: int
-    central: bool
-    encoder: nn.Module | None = None  # an image state (central) or image obs (local)
+    sees: str  # one of CRITICS
+    encoder: nn.Module | None = None  # an image state (central, agent) or image obs (local)
+    obs_encoder: nn.Module | None = None  # the agent critic's image obs
 
     @nn.compact
     def __call__(self, obs, state):  # [..., agent, obs] and [..., state] -> [..., agent]
         act = ACTIVATIONS[self.activation]
-        if self.central:
+        if self.sees == "local":
+            x = encoders.encode(self.encoder, obs)
+        else:
             shared = encoders.encode(self.encoder, state)
             x = jnp.broadcast_to(shared[..., None, :], (*shared.shape[:-1], self.n_agents, shared.shape[-1]))
-        else:
-            x = encoders.encode(self.encoder, obs)
+            if self.sees == "agent":
+                own = encoders.encode(self.obs_encoder, obs)
+                x = jnp.concatenate([x, own.astype(x.dtype)], axis=-1)
         x = with_agent_ids(x, self.n_agents)
         h = act(nn.Dense(self.hidden, kernel_init=orthogonal(np.sqrt(2)), bias_init=constant(0.0))(x))
         h = act(nn.Dense(self.hidden, kernel_init=orthogonal(np.sqrt(2)), bias_init=constant(0.0))(h))
@@ -228,7 +236,8 @@ def reward_shaping(horizon: int):
 def make_learner(spec: EnvSpec, config: Config):
     if config.critic not in CRITICS:
         raise ValueError(f"unknown critic {config.critic!r}; valid: {', '.join(CRITICS)} "
-                         "(central = MAPPO, local = IPPO)")
+                         "(central = MAPPO, agent = MAPPO with each agent's obs beside the state, "
+                         "local = IPPO)")
     if config.activation not in ACTIVATIONS:
         raise ValueError(f"unknown activation {config.activation!r}; valid: {', '.join(ACTIVATIONS)}")
     if config.reward_shaping_horizon > 0 and not spec.shaped_reward:
@@ -238,9 +247,10 @@ def make_learner(spec: EnvSpec, config: Config):
     n_out = spec.n_actions if discrete else spec.action_dim
     actor = Actor(config.hidden, n_out, config.activation, config.recurrent, not discrete,
                   config.log_std_init, encoders.for_image(spec.obs_shape))
-    central = config.critic == "central"
-    critic = Critic(config.hidden, config.activation, n_agents, central,
-                    encoders.for_image(spec.state_shape if central else spec.obs_shape))
+    local = config.critic == "local"
+    critic = Critic(config.hidden, config.activation, n_agents, config.critic,
+                    encoders.for_image(spec.obs_shape if local else spec.state_shape),
+                    encoders.for_image(spec.obs_shape) if config.critic == "agent" else None)
     updates_per_call = config.epochs * config.minibatches
 
     def lr_schedule(count):
@@ -524,7 +534,7 @@ def make_learner(spec: EnvSpec, config: Config):
         ratio) and policy entropy of stored windows [B, L], each per agent."""
         return {k: (v, ("agent",)) for k, v in score_arrays(train_state, windows).items()}
 
-    name = "mappo" if config.critic == "central" else "ippo"
+    name = "ippo" if config.critic == "local" else "mappo"
     return Learner(
         name=name, config=config, spec=spec, init=jax.jit(init), act=act, init_carry=init_carry,
         policy_params=policy_params, exploration=exploration, greedy=greedy,

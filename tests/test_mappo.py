@@ -169,6 +169,23 @@ def test_value_norm_learns_targets_in_their_running_moments_and_scores_on_the_re
     assert float(metrics["value"]) == pytest.approx(float(value[:, :-1].mean()), rel=1e-3, abs=1e-5)
 
 
+def test_the_agent_critic_sees_each_agents_own_obs_beside_the_state(feed_forward):
+    """critic="agent" (MAPPO's agent-specific global state): agent 0's value follows agent
+    0's own observation at a fixed state, which the central critic never sees; it trains."""
+    _, _, _, data, seq = feed_forward
+    for sees, follows in (("central", [False, False, False]), ("agent", [True, False, False])):
+        _, learner = make("mappo", "mpe:simple_spread", critic=sees)
+        state = learner.init(jax.random.PRNGKey(0))
+        value = lambda obs: learner.mixer.apply(state["params"]["critic"], obs, seq["state"])
+        moved = value(seq["obs"].at[..., 0, :].add(1.0)) != value(seq["obs"])  # [N, T, agent]
+        assert [bool(m) for m in jnp.any(moved, axis=(0, 1))] == follows, sees
+    loss = jax.jit(learner.loss_fn)
+    trained, _ = learner.train(state, region(data), jnp.ones(1, bool), 1)
+    before, parts_before = loss(state["params"], state, seq)
+    after, parts_after = loss(trained["params"], state, seq)
+    assert float(parts_after["value_loss"]) < float(parts_before["value_loss"]) and float(after) < float(before)
+
+
 def test_the_decoupled_clip_follows_the_policy_lag_unless_set():
     decoupled = lambda preset, **o: getattr(make_run_config(preset, overrides=o).algo_config(), "decoupled_clip", None)
     assert decoupled("mappo-mpe") is False and decoupled("ippo-mpe", max_policy_lag="1") is True
@@ -230,7 +247,7 @@ def test_pettingzoo_collector_feeds_the_learner(feed_forward):
 
 def test_bad_settings_are_refused(feed_forward):
     env, _, state, data, _ = feed_forward
-    with pytest.raises(ValueError, match="critic='global' is not one of central, local"):
+    with pytest.raises(ValueError, match="critic='global' is not one of central, agent, local"):
         algos.config_for("mappo", {"critic": "global"})
     _, learner = make("mappo", "mpe:simple_spread", minibatches=3)
     with pytest.raises(ValueError, match="minibatches=3 does not divide the 8 env sequences"):
