@@ -35,16 +35,14 @@ def save(name: str, payload: dict, header: list[str], align: list[str], rows: li
 
 
 def embedded_prefect(home: str = ".prefect", startup_timeout_s: int = 90):
-    """Prefect without a server for a benchmark's flow runs: its own home (other benchmarks
-    may run their ephemeral servers at the same time), no telemetry, warnings only."""
+    """Prefect without a server for a benchmark's flow runs, as `marl train` has it (no
+    telemetry, warnings only, the home's database made once), in a home of its own where
+    other benchmarks may run their temporary servers at the same time."""
     os.environ.setdefault("PREFECT_HOME", os.path.abspath(home))
-    # Prefect makes its home without parents: a nested home on a fresh clone fails to start
-    os.makedirs(os.environ["PREFECT_HOME"], exist_ok=True)
-    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", str(startup_timeout_s))
-    os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
-    from flows.cli import migrate_embedded_home
+    from flows.cli import _embedded_defaults, migrate_embedded_home
 
+    _embedded_defaults()
     migrate_embedded_home()  # runs started together on a fresh home would race its creation
 
 
