@@ -18,9 +18,10 @@
 # (bench/host_copy.py); and "maps": SMAX learning runs of bench/smax_maps.py on the accelerator
 # (GPU_CHECK_MAPS_ARGS, its arguments; GPU_CHECK_MAPS_LIMIT_S, default 540) with CPU-only runs
 # beside it on the machine's other cores (GPU_CHECK_MAPS_CPU_ARGS, argument sets separated by
-# ';'), each run's metrics.csv and wall log brought back as $OUT/maps-<device|cpuN>-<algo>-<map>/
-# (read them here by copying that folder to <root>/<algo>-<map> and running
-# `python bench/smax_maps.py --report-only --run-root <root>`). Measured on this 2-core CPU (GPU_CHECK_SIZE=small, the default
+# ';'), each run's metrics.csv and wall log brought back in $OUT/maps-runs.tgz (read them here
+# with `mkdir R && tar xzf maps-runs.tgz -C R && python bench/smax_maps.py --report-only
+# --run-root R/device`, or R/cpu1 ...). The run roots stay in $GPU_CHECK_DIR, so a call on a
+# machine still warm resumes its runs from their checkpoints. Measured on this 2-core CPU (GPU_CHECK_SIZE=small, the default
 # parts, 2026-12-05): 98-107 s end to end. Results go to $OUT as three files, appended as they
 # are measured: rows.jsonl (every row, tagged with its part), tables.md, log.txt (the
 # benchmarks' own json/md/png go to $GPU_CHECK_DIR/gpu-check-results, never to bench/results).
@@ -223,13 +224,10 @@ for what in $PARTS; do
       [ $# -gt 0 ] && part "smax_maps ${GPU_CHECK_MAPS_ARGS}" "${GPU_CHECK_MAPS_LIMIT_S:-540}" "$PY" bench/smax_maps.py \
         --orchestrator none --run-root "$MAPS_ROOT/device" --results-name maps-device "$@"
       [ ${#cpu_pids[@]} -gt 0 ] && wait "${cpu_pids[@]}"
-      # each run's curve and wall log come back (not its replay or checkpoints), one folder deep
-      # as the device tool brings folders back: $OUT/maps-device-mappo-8m/metrics.csv
-      for d in "$MAPS_ROOT"/*/*/; do
-        [ -f "$d/metrics.csv" ] || continue
-        rel=${d#"$MAPS_ROOT"/}; rel=maps-${rel%/}; rel=${rel//\//-}; mkdir -p "$OUT/$rel"
-        cp "$d/metrics.csv" "$OUT/$rel"; cp "$d/bench_wall.json" "$OUT/$rel" 2>/dev/null
-      done
+      # each run's curve and wall log come back (not its replay or checkpoints) in one archive:
+      # the device tool brings back a few files, one folder deep
+      [ -d "$MAPS_ROOT" ] && (cd "$MAPS_ROOT" && find . \( -name metrics.csv -o -name bench_wall.json \) -print0 \
+        | tar czf "$OUT/maps-runs.tgz" --null -T -)
       for f in "$RESULTS"/maps-*.md; do
         [ -f "$f" ] && { echo; echo "### $(basename "$f" .md)"; echo; cat "$f"; } >> "$TABLES"
       done ;;
