@@ -33,10 +33,8 @@ def run(env_steps: int, overrides: dict, run_dir: str, seed: int) -> dict:
     def record(row):
         rows.append({**row, "wall_s": time.perf_counter() - started})
         if "test_win_rate" in row:
-            # (print inside the flow goes to Prefect's logger)
-            sys.stdout.write(f"{row['env_steps']:>9,} steps {rows[-1]['wall_s']:7.1f} s  test win "
-                             f"{row['test_win_rate']:.3f}  train win {row['win_rate']:.3f}\n")
-            sys.stdout.flush()
+            print(f"{row['env_steps']:>9,} steps {rows[-1]['wall_s']:7.1f} s  test win "
+                  f"{row['test_win_rate']:.3f}  train win {row['win_rate']:.3f}", flush=True)
 
     train_flow.ITERATION_HOOKS.append(record)
     try:

@@ -39,6 +39,8 @@ def embedded_prefect(home: str = ".prefect", startup_timeout_s: int = 90):
     telemetry, warnings only, the home's database made once), in a home of its own where
     other benchmarks may run their temporary servers at the same time."""
     os.environ.setdefault("PREFECT_HOME", os.path.abspath(home))
+    # Prefect makes its home without parents: a nested home on a fresh clone fails to start
+    os.makedirs(os.environ["PREFECT_HOME"], exist_ok=True)
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", str(startup_timeout_s))
     from flows.cli import _embedded_defaults, migrate_embedded_home
 

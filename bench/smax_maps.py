@@ -89,11 +89,8 @@ def train(algo: str, scenario: str, args, overrides: dict) -> None:
         if "test_win_rate" in row:
             wall = before + time.perf_counter() - started
             log["rows"][str(row["iteration"])] = {"wall_s": wall, "machine": where}
-            # written, not printed: the flow's log_prints would turn a print into a Prefect log
-            # line, which the embedded default's WARNING level drops
-            sys.stdout.write(f"[{algo} {scenario}] {row['env_steps']:>9,} steps {wall:7.0f} s  test win "
-                             f"{row['test_win_rate']:.3f} {row.get('test_win_rate_per_seed', '')}\n")
-            sys.stdout.flush()
+            print(f"[{algo} {scenario}] {row['env_steps']:>9,} steps {wall:7.0f} s  test win "
+                  f"{row['test_win_rate']:.3f} {row.get('test_win_rate_per_seed', '')}", flush=True)
             save_log()
 
     def save_log():

@@ -30,7 +30,9 @@ def publish_artifacts(result: dict, config) -> dict:
     return {"learning_curve": publish_run_artifacts(result, config)["learning_curve"]}
 
 
-@flow(name="marl-train", log_prints=True)
+# no log_prints: nothing here prints, and the iteration hooks are the caller's code, whose
+# prints (a benchmark's progress lines) belong on its stdout, not in a Prefect log
+@flow(name="marl-train")
 def marl_train(preset: str = "qmix-smac", env: str | None = None, env_steps: int | None = None,
                collectors: int | None = None, seed: int | None = None, seeds: int | None = None,
                run_dir: str | None = None, overrides: dict[str, str] | None = None,
