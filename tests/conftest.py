@@ -16,7 +16,13 @@ import pytest  # noqa: E402
 
 @pytest.fixture(scope="session")
 def prefect_server():
+    # Prefect binds its console log handler to the sys.stderr of its first full import; made
+    # here, it is the session's, not the stream of the first test's capsys, which closes with
+    # that test (the server's stop line then failed on it)
+    from prefect.logging.configuration import ensure_logging_setup
     from prefect.testing.utilities import prefect_test_harness
+
+    ensure_logging_setup()
 
     with prefect_test_harness(server_startup_timeout=120):
         yield
