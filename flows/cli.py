@@ -13,7 +13,9 @@ import importlib
 import logging
 import math
 import os
+import signal
 import sys
+import threading
 import warnings
 
 
@@ -22,9 +24,18 @@ COMMAND_MODULES = ("flows.replay_cli", "flows.stack", "flows.benchmark_cli", "fl
                    "flows.envs_cli", "flows.runs_cli")
 
 
+def _exit(signum, frame):
+    raise SystemExit(128 + signum)
+
+
 def _embedded_defaults(verbose: bool = False):
     """Prefect without a server (a temporary one in-process), its state under .prefect/;
-    Prefect's and Dask's log lines only from warnings up, unless `verbose`."""
+    Prefect's and Dask's log lines only from warnings up, unless `verbose`. SIGTERM then
+    leaves through Python's exit, whose atexit hooks stop that server (a subprocess, else left
+    running without a parent) and the local cluster; Prefect's flow engine, which holds SIGTERM
+    while a run is on to mark it Crashed, hands the signal on to this handler."""
+    if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:
+        signal.signal(signal.SIGTERM, _exit)
     os.environ.setdefault("PREFECT_HOME", os.path.abspath(".prefect"))
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "90")

@@ -180,6 +180,36 @@ def test_a_killed_marl_train_process_resumes_with_every_region_once(tmp_path, pr
     assert int(meta["iteration"]) == iterations and int(state["updates"]) == iterations * per_iteration
 
 
+def test_a_sigtermed_marl_train_stops_its_prefect_server(tmp_path, dask_cluster):
+    """SIGTERM to `marl train` mid-run (a scheduler's or `timeout`'s stop): the process exits
+    143 and takes its temporary Prefect server with it; with Python's default SIGTERM the
+    server, a subprocess, went on running without a parent."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    import psutil
+
+    run_dir = tmp_path / "termed"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_API_", "PREFECT_SERVER_DATABASE"))}
+    env["PREFECT_HOME"] = str(tmp_path / "prefect")
+    command = [os.path.join(os.path.dirname(sys.executable), "marl"), "train", TINY, "--run-dir", str(run_dir),
+               "--env-steps", str(64 * 512), "--scheduler", dask_cluster.scheduler_address, "--quiet"]
+    run = subprocess.Popen(command, env=env, cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    servers = lambda: [p for p in psutil.Process(run.pid).children(recursive=True)
+                       if "prefect.server.api.server" in " ".join(p.cmdline())]
+    deadline = time.time() + 300
+    while run.poll() is None and time.time() < deadline and not (servers() and (run_dir / "metrics.csv").exists()):
+        time.sleep(0.2)
+    assert run.poll() is None, f"the run ended before it was stopped: {run.stderr.read()}"
+    server = servers()[0]
+    run.send_signal(signal.SIGTERM)
+    assert run.wait(timeout=120) == 128 + signal.SIGTERM
+    gone, alive = psutil.wait_procs([server], timeout=30)
+    assert not alive, f"the Prefect server {server.pid} outlived its run"
+
+
 @pytest.mark.parametrize("kwargs, error, words", [
     (dict(env="smax:4m"), EnvError, "unknown env id 'smax:4m'"),
     (dict(preset="qmix-smax"), ConfigError, "unknown preset 'qmix-smax'"),
