@@ -24,8 +24,12 @@ COMMAND_MODULES = ("flows.replay_cli", "flows.stack", "flows.benchmark_cli", "fl
                    "flows.envs_cli", "flows.runs_cli")
 
 
+class Terminated(SystemExit):
+    """SIGTERM, as an exit: 128 + 15."""
+
+
 def _exit(signum, frame):
-    raise SystemExit(128 + signum)
+    raise Terminated(128 + signum)
 
 
 def _embedded_defaults(verbose: bool = False):
@@ -35,7 +39,7 @@ def _embedded_defaults(verbose: bool = False):
     running without a parent) and the local cluster; Prefect's flow engine, which holds SIGTERM
     while a run is on to mark it Crashed, hands the signal on to this handler."""
     if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:
-        signal.signal(signal.SIGTERM, _exit)
+        signal.signal(signal.SIGTERM, _exit)  # Ctrl-C (KeyboardInterrupt) leaves the same way
     os.environ.setdefault("PREFECT_HOME", os.path.abspath(".prefect"))
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "90")
@@ -110,7 +114,8 @@ class _DropReported(logging.Filter):
         error = record.exc_info[1] if record.exc_info else None
         if error is not None:
             return not (train_flow.reported(error) or train_flow.task_stage(error))
-        return not str(record.msg).startswith("Finished in state Failed")
+        # a run stopped by Ctrl-C or SIGTERM: cmd_train says so in its one line
+        return not str(record.msg).startswith(("Finished in state Failed", "Crash detected! Execution was aborted by"))
 
 
 def quiet_reported_failures() -> None:
@@ -201,6 +206,11 @@ def cmd_train(args) -> int:
         except (train_flow.StageError, train_flow.RunStopped) as e:  # a failed run: one line, exit 1
             progress.stop()
             return fail(e, code=1)
+        except (KeyboardInterrupt, Terminated) as e:  # stopped from outside: one line, how to go on
+            progress.stop()
+            how = "SIGTERM" if isinstance(e, Terminated) else "Ctrl-C"
+            return fail(f"stopped by {how}; the same command resumes from {config.run_dir}'s last checkpoint",
+                        code=e.code if isinstance(e, Terminated) else 130)
         finally:
             train_flow.ITERATION_HOOKS.remove(on_iteration)
     console.print(table)

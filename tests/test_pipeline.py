@@ -182,8 +182,8 @@ def test_a_killed_marl_train_process_resumes_with_every_region_once(tmp_path, pr
 
 def test_a_sigtermed_marl_train_stops_its_prefect_server(tmp_path, dask_cluster):
     """SIGTERM to `marl train` mid-run (a scheduler's or `timeout`'s stop): the process exits
-    143 and takes its temporary Prefect server with it; with Python's default SIGTERM the
-    server, a subprocess, went on running without a parent."""
+    143 with one line saying how to resume, and takes its temporary Prefect server with it;
+    with Python's default SIGTERM the server, a subprocess, went on running without a parent."""
     import signal
     import subprocess
     import sys
@@ -206,6 +206,8 @@ def test_a_sigtermed_marl_train_stops_its_prefect_server(tmp_path, dask_cluster)
     server = servers()[0]
     run.send_signal(signal.SIGTERM)
     assert run.wait(timeout=120) == 128 + signal.SIGTERM
+    last = run.stderr.read().decode().strip().splitlines()[-1]
+    assert last == f"marl: stopped by SIGTERM; the same command resumes from {run_dir}'s last checkpoint"
     gone, alive = psutil.wait_procs([server], timeout=30)
     assert not alive, f"the Prefect server {server.pid} outlived its run"
 
