@@ -33,6 +33,10 @@
 #     --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64
 #     --platform manylinux2014_x86_64 --platform manylinux1_x86_64 -d .whl-tpu
 # (46 MB; matplotlib comes from the machine's own index, /opt/pypi/simple).
+# For the H200 machine (Python 3.12; jax, flax, optax, orbax there; ../shared/notes/gpu.md):
+# bench/device-wheels-gpu.txt (27 MB), into the ignored .whl/ by the same command with
+# --python-version 3.12, that list and -d .whl (echo /.whl/ >> .git/info/exclude first);
+# carry [".whl"].
 #
 # Knobs (environment): OUT (default ./gpu-check-out), GPU_CHECK_SIZE=full|small (small: tiny
 # sizes for a CPU dry run: CUDA_VISIBLE_DEVICES= GPU_CHECK_SIZE=small bash bench/gpu.sh),
