@@ -105,12 +105,12 @@ def _overcooked(layout: str, args) -> tuple:
     # (ippo_ff_overcooked.py: reward + coef x info["shaped_reward"], coef linear 1 -> 0);
     # 32 envs here (fewer, larger updates: the pipeline pays per update); the lr anneals to 0
     # over the run's updates, one per region of 32 x 128 env steps, as JaxMARL's ANNEAL_LR
-    env_steps = args.env_steps or 5_000_000
+    env_steps, envs, steps = args.env_steps or 5_000_000, 32, 128
     return (f"IPPO, jaxmarl:overcooked {layout}", "ippo-mpe", "jaxmarl:overcooked", env_steps,
-            {"env_kwargs": json.dumps({"layout": layout}), "envs_per_collector": "32",
-             "steps_per_region": "128", "buffer_transitions": "8192", "hidden": "64",
+            {"env_kwargs": json.dumps({"layout": layout}), "envs_per_collector": str(envs),
+             "steps_per_region": str(steps), "buffer_transitions": "8192", "hidden": "64",
              "activation": "tanh", "lr": "2.5e-4", "epochs": "4", "minibatches": "4",
-             "anneal_lr_iterations": str(-(-env_steps // (32 * 128))), "eval_episodes": "32",
+             "anneal_lr_iterations": str(-(-env_steps // (envs * steps))), "eval_episodes": "32",
              "reward_shaping_horizon": "2500000"})
 
 
