@@ -43,6 +43,9 @@ class Config:
     hidden: int = 64  # agent GRU width
     mixer_embed: int = 32
     hypernet_embed: int = 64
+    # the std of the mixer's initial kernels, times Flax's default (LeCun normal): 1 keeps it;
+    # JaxMARL's QMIX starts its mixer small (orthogonal, 0.001), so Q_tot starts near zero
+    mixer_init_scale: float = 1.0
     lr: float = 5e-4
     gamma: float = 0.99
     td_lambda: float = 0.0  # 0: one-step targets; >0: TD(lambda) targets over each window
@@ -102,16 +105,19 @@ class Mixer(nn.Module):
     embed: int
     hypernet_embed: int
     encoder: nn.Module | None = None  # an image state (marl.encoders)
+    init_scale: float = 1.0  # times the LeCun normal std of every kernel (1: Flax's default)
 
     @nn.compact
     def __call__(self, q, state):  # q [..., agent], state [..., state_dim]
         n_agents = q.shape[-1]
         state = encoders.encode(self.encoder, state)
-        hyper = lambda out: nn.Dense(out)(nn.relu(nn.Dense(self.hypernet_embed)(state)))
+        init = nn.initializers.variance_scaling(self.init_scale**2, "fan_in", "truncated_normal")
+        dense = lambda out: nn.Dense(out, kernel_init=init)
+        hyper = lambda out: dense(out)(nn.relu(dense(self.hypernet_embed)(state)))
         w1 = jnp.abs(hyper(n_agents * self.embed)).reshape(*q.shape, self.embed)
-        b1 = nn.Dense(self.embed)(state)
+        b1 = dense(self.embed)(state)
         w2 = jnp.abs(hyper(self.embed))
-        v = nn.Dense(1)(nn.relu(nn.Dense(self.embed)(state)))[..., 0]
+        v = dense(1)(nn.relu(dense(self.embed)(state)))[..., 0]
         h = nn.elu(jnp.einsum("...a,...ae->...e", q, w1) + b1)
         return jnp.sum(h * w2, axis=-1) + v
 
@@ -166,7 +172,8 @@ def make_learner(spec: EnvSpec, config: Config):
     if config.last_action and spec.obs_shape:
         raise ValueError(LAST_ACTION_NEEDS.format(env=spec.env_id))
     agent = AgentRNN(config.hidden, spec.n_actions, encoders.for_image(spec.obs_shape))
-    mixer = (Mixer(config.mixer_embed, config.hypernet_embed, encoders.for_image(spec.state_shape))
+    mixer = (Mixer(config.mixer_embed, config.hypernet_embed, encoders.for_image(spec.state_shape),
+                   config.mixer_init_scale)
              if config.mixer == "qmix" else MIXERS[config.mixer]())
     optimizer = optax.chain(optax.clip_by_global_norm(config.max_grad_norm),
                             optax.adam(config.lr))
