@@ -243,8 +243,9 @@ def write_report(root: str, name: str = "smax_maps") -> None:
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--algos", default="qmix,mappo", help=f"any of {','.join(PRESETS)}")
-    parser.add_argument("--maps", default=",".join(TARGETS), help=f"any of {','.join(TARGETS)}")
+    # lists by comma or space: "--algos vdn,iql" and "--algos vdn iql" alike
+    parser.add_argument("--algos", nargs="+", default=["qmix,mappo"], help=f"any of {','.join(PRESETS)}")
+    parser.add_argument("--maps", nargs="+", default=[",".join(TARGETS)], help=f"any of {','.join(TARGETS)}")
     parser.add_argument("--seeds", type=int, default=3, help="vmapped seeds per run")
     parser.add_argument("--seed", type=int, default=0, help="the first seed")
     parser.add_argument("--eval-episodes", type=int, default=256, help="greedy test episodes per seed")
@@ -263,7 +264,7 @@ def main():
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="a preset override for every run, as marl train's --set")
     args = parser.parse_args()
-    algos, maps = args.algos.split(","), args.maps.split(",")
+    algos, maps = ([name for word in words for name in word.split(",") if name] for words in (args.algos, args.maps))
     bad = sorted(set(algos) - set(PRESETS)) + sorted(set(maps) - set(TARGETS))
     if bad:
         parser.error(f"unknown {', '.join(bad)}; algorithms: {', '.join(PRESETS)}; maps: {', '.join(TARGETS)}")

@@ -51,6 +51,21 @@ def test_vdn_mixes_by_sum_and_iql_keeps_one_target_per_agent(smax_windows):
     assert np.isfinite(out["iql"]["td_error"][0][:, :-1]).all()
 
 
+def test_qmix_mixer_init_scale_shrinks_the_mixer_and_its_default_keeps_flax_init(smax_windows):
+    env, _, _, windows = smax_windows
+    params = {scale: algos.make_learner("qmix", env.spec, algos.config_for("qmix", {**SMALL, "mixer_init_scale": scale}))
+              .init(jax.random.PRNGKey(0))["params"] for scale in (1.0, 0.01)}
+    # the default is Flax's own Dense init (LeCun normal), the same draws as before the setting
+    default = jax.nn.initializers.lecun_normal()
+    kernel = params[1.0]["mixer"]["params"]["Dense_0"]["kernel"]
+    assert kernel.std() == pytest.approx(float(default(jax.random.PRNGKey(3), kernel.shape).std()), rel=0.2)
+    for name, layer in params[1.0]["mixer"]["params"].items():
+        small = params[0.01]["mixer"]["params"][name]["kernel"]
+        np.testing.assert_allclose(small, 0.01 * layer["kernel"], rtol=1e-4, atol=1e-8)
+    # the agents' network is not the mixer's: unchanged
+    jax.tree.map(np.testing.assert_array_equal, params[1.0]["agent"], params[0.01]["agent"])
+
+
 def test_seeds_split_and_join_envs_in_blocks():
     x = jnp.arange(2 * 3 * 6).reshape(2, 6, 3)  # [T, S*N, ...] with S=3, N=2
     split = seeds.split_envs(x, 3, axis=1)
