@@ -36,6 +36,7 @@ class SavedRun:
     checkpoint: int  # the step (iteration) restored
     meta: dict  # the checkpoint's metadata (iteration, env_steps, ...)
     params: dict  # policy params of every seed, [S, ...] where n_seeds > 1
+    train_state: dict | None = None  # the whole restored learner state (e.g. QMIX's mixer)
 
 
 def _listing(path: str) -> str:
@@ -68,7 +69,7 @@ def load_run(run_dir: str, checkpoint: int | None = None) -> SavedRun:
         state, meta = checkpoints.restore(checkpoint, target=target)
     state = jax.tree.map(jnp.asarray, state)
     params = stages._to_numpy(parts.learner.policy_params(state))
-    return SavedRun(config, parts, int(checkpoint), meta, params)
+    return SavedRun(config, parts, int(checkpoint), meta, params, state)
 
 
 def seed_params(run: SavedRun, seed: int):

@@ -211,6 +211,17 @@ def test_exported_qmix_plays_like_its_learner(run, tmp_path, capsys):
     assert done.returncode == 0 and done.stdout.strip() == "[]", done.stderr
 
 
+def test_qmix_mixer_probe_reads_the_restored_mixer_on_the_runs_own_states(run, monkeypatch, capsys):
+    import runpy
+
+    monkeypatch.setattr(sys, "argv", ["qmix_mixer_probe.py", run["run_dir"], "--regions", "2"])
+    runpy.run_path("bench/qmix_mixer_probe.py", run_name="__main__")
+    rows = [line.split("|")[1:-1] for line in capsys.readouterr().out.splitlines() if line.startswith("| 0 |")]
+    assert [r[1].strip() for r in rows] == ["trained", "fresh init"]
+    trained, fresh = ([float(x) for x in r[2:]] for r in rows)
+    assert np.isfinite(trained + fresh).all() and trained != fresh  # the checkpoint's mixer, not a new one
+
+
 @pytest.mark.parametrize("preset", ["mappo-mpe-tiny", "maddpg-mpe-tiny"])
 def test_exported_mappo_and_maddpg_play_like_their_learners(preset, tmp_path):
     import marl
