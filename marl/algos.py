@@ -56,7 +56,7 @@ RANGES = {
     **dict.fromkeys(("learning_starts", "anneal_lr_iterations", "ent_coef", "vf_coef", "actor_reg",
                      "noise_start", "noise_end", "burn_in", "reward_shaping_horizon"), AT_LEAST_0),
     **dict.fromkeys(("lr", "actor_lr", "critic_lr", "max_grad_norm", "clip_eps", "value_clip_eps",
-                     "gumbel_temperature"), POSITIVE),
+                     "gumbel_temperature", "mixer_init_scale"), POSITIVE),
     **dict.fromkeys(("gamma", "td_lambda", "gae_lambda", "eps_start", "eps_end"), FRACTION),
     "tau": Range(0, 1, low_open=True),
     "log_std_init": Range(),
