@@ -53,7 +53,8 @@ PUBLISHED = {
 # overrides them
 MAP_SETTINGS = {
     # 3m: 0.911 ± 0.012 at 1M (0.9 at 0.86M) against the preset's 0.836; on 2s3z, 64 updates
-    # won no episode in 0.9M env steps where the preset's 32 won 0.55 at 3M
+    # won no episode in 0.9M env steps where the preset's 32 won 0.55 at 3M (both measured at
+    # the mixer's former init; with the mixer started small, 3m at 64: 0.888, 0.9 at 0.98M)
     ("qmix", "3m"): {"updates_per_region": "64"},
 }
 WALL_LOG = "bench_wall.json"  # per run dir: the wall time of every sitting, by iteration
