@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pipelines.saved_run import load_run
+from pipelines.saved_run import load_run, seed_params
 from storage import open_replay
 
 
@@ -45,17 +45,15 @@ def main():
     replay = open_replay(os.path.join(args.run_dir, "replay"))
     last = replay.isel(step=slice(-args.regions * run.config.steps_per_region, None))
     seeds = np.asarray(last["seed"]) if "seed" in last.coords else np.zeros(last.sizes["env"], int)
-    n_seeds = run.config.n_seeds
     mixer = run.train_state["params"]["mixer"]
     fresh = learner.init(jax.random.PRNGKey(run.config.seed))["params"]["mixer"]
-    per_seed = lambda tree, seed: jax.tree.map(lambda x: x[seed], tree) if n_seeds > 1 else tree
     print(f"{args.run_dir}: checkpoint {run.checkpoint} ({run.meta.get('env_steps', '?')} env steps), "
           f"states of the last {args.regions} regions")
     print("| seed | mixer | Q_tot(q=0) mean | std | dQ_tot/dQ_i mean | p10 | p90 |")
     print("|---:|---|---:|---:|---:|---:|---:|")
-    for seed in range(n_seeds):
+    for seed in range(run.config.n_seeds):
         states = jnp.asarray(last["state"].values[:, seeds == seed].reshape(-1, last.sizes["state_dim"]))
-        for name, params in (("trained", per_seed(mixer, seed)), ("fresh init", per_seed(fresh, seed))):
+        for name, params in (("trained", seed_params(run, seed, mixer)), ("fresh init", seed_params(run, seed, fresh))):
             t = mixer_terms(learner, params, states)
             print(f"| {seed} | {name} | {t['q_tot_mean']:.3g} | {t['q_tot_std']:.3g} | {t['gain_mean']:.3g} "
                   f"| {t['gain_p10']:.3g} | {t['gain_p90']:.3g} |")

@@ -72,11 +72,13 @@ def load_run(run_dir: str, checkpoint: int | None = None) -> SavedRun:
     return SavedRun(config, parts, int(checkpoint), meta, params, state)
 
 
-def seed_params(run: SavedRun, seed: int):
-    """One seed's policy params."""
+def seed_params(run: SavedRun, seed: int, tree=None):
+    """One seed's policy params (or of `tree`, any of the run's trees with a leading seed axis
+    where n_seeds > 1, e.g. its train state's)."""
+    tree = run.params if tree is None else tree
     if run.config.n_seeds == 1:
-        return run.params
-    return jax.tree.map(lambda p: p[seed], run.params)
+        return tree
+    return jax.tree.map(lambda p: p[seed], tree)
 
 
 def metrics_of(run: SavedRun) -> tuple[str, ...]:
