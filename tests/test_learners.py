@@ -52,7 +52,7 @@ def test_vdn_mixes_by_sum_and_iql_keeps_one_target_per_agent(smax_windows):
 
 
 def test_qmix_mixer_init_scale_shrinks_the_mixer_and_its_default_keeps_flax_init(smax_windows):
-    env, _, _, windows = smax_windows
+    env = smax_windows[0]
     params = {scale: algos.make_learner("qmix", env.spec, algos.config_for("qmix", {**SMALL, "mixer_init_scale": scale}))
               .init(jax.random.PRNGKey(0))["params"] for scale in (1.0, 0.01)}
     # the default is Flax's own Dense init (LeCun normal), the same draws as before the setting
