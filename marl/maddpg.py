@@ -107,11 +107,6 @@ class MLP(nn.Module):
         return nn.Dense(self.out)(x)
 
 
-def polyak(target, online, tau: float):
-    """The target networks' soft update: (1 - tau) * target + tau * online, leaf by leaf."""
-    return jax.tree.map(lambda t, o: (1.0 - tau) * t + tau * o, target, online)
-
-
 def masked_logits(logits, avail):
     return jnp.where(avail, logits, MASKED_LOGIT)
 
@@ -371,7 +366,9 @@ def make_learner(spec: EnvSpec, config: Config):
         metrics = {**c_metrics, **a_metrics, "loss": c_metrics["critic_loss"],
                    "critic_grad_norm": optax.global_norm(c_grads),
                    "actor_grad_norm": optax.global_norm(a_grads)}
-        return {**train_state, "params": params, "target_params": polyak(target_params, params, config.tau),
+        # soft target update: (1 - tau) x target + tau x online, leaf by leaf
+        target_params = optax.incremental_update(params, target_params, config.tau)
+        return {**train_state, "params": params, "target_params": target_params,
                 "actor_opt": actor_opt_state, "critic_opt": critic_opt_state,
                 "updates": train_state["updates"] + 1, "key": key}, metrics
 

@@ -310,9 +310,8 @@ def make_learner(spec: EnvSpec, config: Config):
         updates, opt_state = optimizer.update(grads, train_state["opt_state"], train_state["params"])
         params = optax.apply_updates(train_state["params"], updates)
         n = train_state["updates"] + 1
-        copy = n % config.target_update_interval == 0
-        target_params = jax.tree.map(lambda p, t: jnp.where(copy, p, t), params,
-                                     train_state["target_params"])
+        target_params = optax.periodic_update(params, train_state["target_params"], n,
+                                              config.target_update_interval)
         metrics["grad_norm"] = optax.global_norm(grads)
         return {**train_state, "params": params, "target_params": target_params,
                 "opt_state": opt_state, "updates": n}, metrics
