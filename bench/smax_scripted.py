@@ -1,7 +1,7 @@
 """Scripted baselines on SMAX maps: what a hand-written team wins against jaxmarl's heuristic
 enemy, the floor a trained team must clear (bench/smax_maps.py's table reads beside it).
 
-    python bench/smax_scripted.py [--maps 3m,8m,2s3z,3s5z] [--episodes 1024]
+    python bench/smax_scripted.py [--maps 3m,8m,2s3z,3s5z] [--episodes 1024] [--retreat-below 0.5 ...]
 
 Two policies, each unit acting on the env's true state (no partial observability):
 
@@ -9,11 +9,17 @@ Two policies, each unit acting on the env's true state (no partial observability
                  the nearest living enemy (SMAC's classic micro rule)
     closest      attack the nearest enemy in range, else move toward the nearest enemy
                  (what the heuristic enemy does: the mirror match)
+    focus fire + retreat
+                 focus fire, but a unit that an enemy shot at last step and whose health is
+                 below --retreat-below steps away from its nearest enemy: the heuristic
+                 enemy keeps its target only while it is in range, so the damage spreads
+                 over our units while ours lands on one of theirs (the micro of SMAC's marine
+                 maps)
 
 Also the episode outcomes of a trained run's latest checkpoint (`--run RUN_DIR`, greedy):
 won, lost with our side wiped out, or ended by the time limit.
 
-Writes bench/results/smax_scripted.{json,md}.
+Writes bench/results/smax_scripted.{json,md} (or --results-name's).
 """
 
 from __future__ import annotations
@@ -32,27 +38,38 @@ import numpy as np  # noqa: E402
 import report  # noqa: E402  (bench/report.py)
 from marl import envs  # noqa: E402
 
-MOVES = 4  # SMAX's discrete actions: 4 diagonal moves, stop, then one attack per enemy
-DIAGONALS = jnp.array([[1, 1], [1, -1], [-1, -1], [-1, 1]], jnp.float32)  # moves 0..3
+MOVES = 4  # SMAX's discrete actions: 4 moves, stop, then one attack per enemy
+RULES = ("focus fire", "closest", "focus fire + retreat")
 
 
-def scripted_policy(env: envs.JaxEnv, rule: str):
+def scripted_policy(env: envs.JaxEnv, rule: str, retreat_below: float = 0.5):
     """(env state, avail [agent, actions]) -> actions [agent] for every ally."""
     raw = env.env
     n_allies, n_enemies = raw.num_allies, raw.num_enemies
+    # the direction each move action takes a unit, as the env decodes it (up, right, down, left)
+    directions = raw._decode_discrete_actions(jnp.arange(MOVES))[0]
 
     def act(env_state, avail):
         s = env_state.state  # the heuristic-enemy wrapper's inner SMAX state
         enemy_pos, enemy_alive = s.unit_positions[n_allies:], s.unit_alive[n_allies:]
         enemy_health = jnp.where(enemy_alive, s.unit_health[n_allies:], jnp.inf)
+        # the ally each enemy attacked last step (an enemy numbers its targets in reverse)
+        enemy_attack = s.prev_attack_actions[n_allies:]
+        shot_at = (enemy_attack > MOVES) & enemy_alive
+        enemy_target = jnp.where(shot_at, n_allies - 1 - (enemy_attack - MOVES - 1), -1)
+        health = s.unit_health[:n_allies] / raw.unit_type_health[s.unit_types[:n_allies]]
 
         def one(i):
             in_range = avail[i, MOVES + 1:MOVES + 1 + n_enemies]
             distance = jnp.where(enemy_alive, jnp.linalg.norm(enemy_pos - s.unit_positions[i], axis=-1), jnp.inf)
-            preference = enemy_health if rule == "focus fire" else distance
+            preference = distance if rule == "closest" else enemy_health
             target = jnp.argmin(jnp.where(in_range, preference, jnp.inf))
-            move = jnp.argmax(DIAGONALS @ (enemy_pos[jnp.argmin(distance)] - s.unit_positions[i]))
-            return jnp.where(in_range.any(), MOVES + 1 + target, move)
+            to_nearest = enemy_pos[jnp.argmin(distance)] - s.unit_positions[i]
+            action = jnp.where(in_range.any(), MOVES + 1 + target, jnp.argmax(directions @ to_nearest))
+            if rule == "focus fire + retreat":
+                retreat = jnp.any(enemy_target == i) & (health[i] < retreat_below)
+                action = jnp.where(retreat, jnp.argmax(directions @ -to_nearest), action)
+            return action
 
         return jax.vmap(one)(jnp.arange(n_allies))
 
@@ -108,21 +125,26 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--maps", default="3m,8m,2s3z,3s5z")
     parser.add_argument("--episodes", type=int, default=1024)
+    parser.add_argument("--retreat-below", type=float, nargs="+", default=[0.5],
+                        help="health fractions under which a shot-at unit of `focus fire + retreat` steps back")
     parser.add_argument("--run", action="append", default=[], help="a trained run dir (repeatable)")
+    parser.add_argument("--results-name", default="smax_scripted")
     args = parser.parse_args()
 
     results, rows = [], []
     for scenario in args.maps.split(","):
         env = envs.make(f"smax:{scenario}")
-        for rule in ("focus fire", "closest"):
-            r = {"map": scenario, "policy": f"scripted {rule}", **play(env, scripted_policy(env, rule), args.episodes)}
-            results.append(r)
+        for rule in RULES:
+            for below in args.retreat_below if rule == "focus fire + retreat" else [None]:
+                name = f"scripted {rule}" + (f" below {below:g}" if below is not None else "")
+                act = scripted_policy(env, rule, below if below is not None else 0.5)
+                results.append({"map": scenario, "policy": name, **play(env, act, args.episodes)})
     for run_dir in args.run:
         results += trained(run_dir, args.episodes)
     for r in results:
         rows.append([r["map"], r["policy"], str(r["episodes"]), f"{r['win']:.3f}", f"{r['wiped_out']:.3f}",
                      f"{r['time_limit']:.3f}", f"{r['length_mean']:.1f}"])
-    report.save("smax_scripted", {"results": results},
+    report.save(args.results_name, {"results": results},
                 ["map", "policy", "episodes", "win", "lost: wiped out", "lost: time limit", "mean length"],
                 ["---", "---", "---:", "---:", "---:", "---:", "---:"], rows)
 

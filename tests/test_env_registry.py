@@ -240,6 +240,28 @@ def test_overcooked_gives_its_shaped_reward_to_the_agent_that_earned_it():
     np.testing.assert_array_equal(ts.reward, [0.0, 0.0])
 
 
+def test_the_scripted_smax_baseline_moves_each_ally_toward_its_nearest_enemy():
+    """bench/smax_scripted.py's teams move as SMAX decodes its move actions (up, right, down,
+    left): out of range at the start, every ally's first step goes within 45 degrees of the
+    line to its nearest enemy."""
+    import runpy
+
+    scripted = runpy.run_path("bench/smax_scripted.py")
+    env = envs.make("smax:3m")
+    act, step, n = scripted["scripted_policy"](env, "focus fire"), jax.jit(env.step), env.env.num_allies
+    for key in range(4):  # enemies above and below the allies' line
+        ts, state = env.reset(jax.random.PRNGKey(key))
+        actions = act(state, ts.avail_actions)
+        assert (np.asarray(actions) < scripted["MOVES"]).all()  # nobody in range yet: all move
+        before = np.asarray(state.state.unit_positions)
+        moved = np.asarray(step(jax.random.PRNGKey(0), state, actions)[1].state.unit_positions[:n]) - before[:n]
+        for i in range(n):
+            to_enemies = before[n:] - before[i]
+            nearest = to_enemies[np.argmin(np.linalg.norm(to_enemies, axis=-1))]
+            cos = moved[i] @ nearest / (np.linalg.norm(moved[i]) * np.linalg.norm(nearest))
+            assert cos > np.cos(np.pi / 4), (key, i, moved[i], nearest)
+
+
 @all_envs
 @pytest.mark.parametrize("env_id, env_kwargs, preset, algo", SLOW_COLLECTS, ids=[c[0] for c in SLOW_COLLECTS])
 def test_a_tiny_collect_of_the_slower_envs(tmp_path, env_id, env_kwargs, preset, algo):
