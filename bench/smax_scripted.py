@@ -39,11 +39,11 @@ import report  # noqa: E402  (bench/report.py)
 from marl import envs  # noqa: E402
 
 MOVES = 4  # SMAX's discrete actions: 4 moves, stop, then one attack per enemy
-RULES = ("focus fire", "closest", "focus fire + retreat")
 
 
 def scripted_policy(env: envs.JaxEnv, rule: str, retreat_below: float = 0.35):
-    """(env state, avail [agent, actions]) -> actions [agent] for every ally."""
+    """(env state, avail [agent, actions]) -> actions [agent] for every ally; `retreat_below`
+    is the retreat rule's health fraction (the other rules ignore it)."""
     raw = env.env
     n_allies, n_enemies = raw.num_allies, raw.num_enemies
     # the direction each move action takes a unit, as the env decodes it (up, right, down, left)
@@ -53,11 +53,12 @@ def scripted_policy(env: envs.JaxEnv, rule: str, retreat_below: float = 0.35):
         s = env_state.state  # the heuristic-enemy wrapper's inner SMAX state
         enemy_pos, enemy_alive = s.unit_positions[n_allies:], s.unit_alive[n_allies:]
         enemy_health = jnp.where(enemy_alive, s.unit_health[n_allies:], jnp.inf)
-        # the ally each enemy attacked last step (an enemy numbers its targets in reverse)
-        enemy_attack = s.prev_attack_actions[n_allies:]
-        shot_at = (enemy_attack > MOVES) & enemy_alive
-        enemy_target = jnp.where(shot_at, n_allies - 1 - (enemy_attack - MOVES - 1), -1)
-        health = s.unit_health[:n_allies] / raw.unit_type_health[s.unit_types[:n_allies]]
+        if rule == "focus fire + retreat":
+            # the ally each enemy attacked last step (an enemy numbers its targets in reverse)
+            enemy_attack = s.prev_attack_actions[n_allies:]
+            shot_at = (enemy_attack > MOVES) & enemy_alive
+            enemy_target = jnp.where(shot_at, n_allies - 1 - (enemy_attack - MOVES - 1), -1)
+            health = s.unit_health[:n_allies] / raw.unit_type_health[s.unit_types[:n_allies]]
 
         def one(i):
             in_range = avail[i, MOVES + 1:MOVES + 1 + n_enemies]
@@ -134,11 +135,12 @@ def main():
     results, rows = [], []
     for scenario in args.maps.split(","):
         env = envs.make(f"smax:{scenario}")
-        for rule in RULES:
-            for below in args.retreat_below if rule == "focus fire + retreat" else [None]:
-                name = f"scripted {rule}" + (f" below {below:g}" if below is not None else "")
-                act = scripted_policy(env, rule, *([below] if below is not None else []))
-                results.append({"map": scenario, "policy": name, **play(env, act, args.episodes)})
+        variants = [(rule, f"scripted {rule}", {}) for rule in ("focus fire", "closest")]
+        variants += [("focus fire + retreat", f"scripted focus fire + retreat below {below:g}",
+                      {"retreat_below": below}) for below in args.retreat_below]
+        for rule, name, kwargs in variants:
+            act = scripted_policy(env, rule, **kwargs)
+            results.append({"map": scenario, "policy": name, **play(env, act, args.episodes)})
     for run_dir in args.run:
         results += trained(run_dir, args.episodes)
     for r in results:
