@@ -10,11 +10,11 @@ Each (algorithm, map) trains in its own run dir under --run-root, for the map's 
 budget (the issue's targets: 3m 1M, 8m 2M, 2s3z 3M, 3s5z 6M; --budget-scale multiplies
 them), with a greedy evaluation of --eval-episodes fresh episodes per seed --evals times
 over the budget; MAPPO's learning rate anneals to 0 over that budget. Each run is its
-algorithm's preset, with MAP_SETTINGS's settings for that map (only where measured necessary)
-and --set over them; the table lists each run's changes to its preset. A run stopped by
---max-wall-s (or killed) resumes from its checkpoint when the command is run again, so the
-table can be built over several sittings; the wall time of every sitting adds up, and each
-row says which machine it ran on.
+algorithm's preset, with MAP_SETTINGS's settings for that map (those its target was met
+with, where they differ from the preset) and --set over them; the table lists each run's
+changes to its preset. A run stopped by --max-wall-s (or killed) resumes from its
+checkpoint when the command is run again, so the table can be built over several sittings;
+the wall time of every sitting adds up, and each row says which machine it ran on.
 
 Writes bench/results/smax_maps.{json,md,png} (or --results-name's) from every run found
 under --run-root; a trial of other settings (--set) takes a run root and results name of its own.
@@ -56,6 +56,13 @@ MAP_SETTINGS = {
     # won no episode in 0.9M env steps where the preset's 32 won 0.55 at 3M (both measured at
     # the mixer's former init; with the mixer started small, 3m at 64: 0.888, 0.9 at 0.98M)
     ("qmix", "3m"): {"updates_per_region": "64"},
+    # the settings the other maps' targets were met with (mixer started small, 3 seeds): the
+    # 262k ring (the preset's 1M ring at 3 seeds is 22.5 GB on 8m, more than a 24 GiB machine,
+    # and a 1M ring let VDN's 2s3z collapse), and on 8m 3m's 64 updates per 1,024 env steps on
+    # 128-env regions: 2s3z 0.9 at 0.45M, 3s5z 0.8 at 0.45M, 8m 0.9 at 1.23M (0.883 at 2M)
+    ("qmix", "2s3z"): {"buffer_transitions": "262144"},
+    ("qmix", "3s5z"): {"buffer_transitions": "262144"},
+    ("qmix", "8m"): {"envs_per_collector": "128", "updates_per_region": "256", "buffer_transitions": "262144"},
 }
 WALL_LOG = "bench_wall.json"  # per run dir: the wall time of every sitting, by iteration
 

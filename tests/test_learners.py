@@ -169,6 +169,23 @@ def test_every_training_deployment_names_a_preset():
         assert d["work_pool"]["name"] == "marl-process"
 
 
+def test_the_smax_maps_per_map_settings_are_valid_settings_of_their_preset():
+    """bench/smax_maps.py's MAP_SETTINGS are what the table's met rows ran with: each one
+    makes a checked run config of its algorithm's preset on its map, with those values."""
+    import runpy
+
+    from pipelines.config import make_run_config
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    bench = runpy.run_path(os.path.join(root, "bench", "smax_maps.py"))
+    assert ("qmix", "8m") in bench["MAP_SETTINGS"]
+    for (algo, scenario), settings in bench["MAP_SETTINGS"].items():
+        config = make_run_config(bench["PRESETS"][algo], env_id=f"smax:{scenario}",
+                                 total_env_steps=bench["TARGETS"][scenario][0], overrides=settings)
+        values = {**config.to_dict(), **config.to_dict()["algo_overrides"]}
+        assert {key: str(values[key]) for key in settings} == settings
+
+
 def test_cpu_sized_presets_say_how_to_size_a_run_for_an_accelerator():
     from pipelines.config import accelerator_hint, make_run_config
 
