@@ -173,15 +173,18 @@ def _per_lane(flags, like):
 
 def make_evaluator(env: JaxEnv, act: Callable, init_carry: Callable, n_envs: int, explore,
                    score: Callable = mean_reward_score):
-    """Returns jitted evaluate(params, key) -> stats over the first episode of each of N envs.
+    """Returns jitted evaluate(params, key, start=None) -> stats over the first episode of
+    each of N envs: N fresh starts, or with `start` (a reset key) N replays of that one start,
+    which differ only by the env's own dice (the steps' keys).
 
     score(timestep, env_state) -> (reward, won) of one env's step; where it gives arrays (one
     entry per team, marl.teams.team_scores), return_mean and win_rate have their shape."""
     horizon = env.spec.episode_limit + 1
 
-    def evaluate(params, key):
+    def evaluate(params, key, start=None):
         key, reset_key = jax.random.split(key)
-        timestep, env_state = jax.vmap(env.reset)(jax.random.split(reset_key, n_envs))
+        reset_keys = jax.random.split(reset_key, n_envs) if start is None else jnp.stack([start] * n_envs)
+        timestep, env_state = jax.vmap(env.reset)(reset_keys)
 
         def step(carry, _):
             env_state, ts, policy_carry, finished, ret, length, won, key = carry

@@ -204,6 +204,20 @@ def test_evaluate_counts_one_episode_per_env(smax3m):
     assert 0.0 <= float(stats["win_rate"]) <= 1.0
 
 
+def test_evaluate_replays_one_start_where_given_one():
+    """MPE's dynamics have no dice and the greedy policy none either, so N replays of one
+    start score exactly as that start played once, whatever the steps' keys; fresh starts differ."""
+    env = envs.make("mpe:simple_spread")
+    learner = algos.make_learner("mappo", env.spec, algos.config_for("mappo", {"hidden": 8}))
+    params = learner.policy_params(learner.init(jax.random.PRNGKey(0)))
+    replays, once = (rollout.make_evaluator(env, learner.act, learner.init_carry, n, learner.greedy) for n in (4, 1))
+    start = jax.random.PRNGKey(5)
+    replayed = float(replays(params, jax.random.PRNGKey(1), start)["return_mean"])
+    assert replayed == pytest.approx(float(once(params, jax.random.PRNGKey(2), start)["return_mean"]), rel=1e-5)
+    fresh = [float(once(params, jax.random.PRNGKey(k))["return_mean"]) for k in (1, 2)]
+    assert fresh[0] != pytest.approx(fresh[1], rel=1e-3)
+
+
 def test_mixer_is_monotonic_in_every_agent_q(smax3m):
     env, learner = smax3m
     params = learner.init(jax.random.PRNGKey(0))["params"]["mixer"]
