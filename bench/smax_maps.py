@@ -57,9 +57,10 @@ MAP_SETTINGS = {
     # the mixer's former init; with the mixer started small, 3m at 64: 0.888, 0.9 at 0.98M)
     ("qmix", "3m"): {"updates_per_region": "64"},
     # the settings the other maps' targets were met with (mixer started small, 3 seeds): the
-    # 262k ring (the preset's 1M ring at 3 seeds is 22.5 GB on 8m, more than a 24 GiB machine,
-    # and a 1M ring let VDN's 2s3z collapse), and on 8m 3m's 64 updates per 1,024 env steps on
-    # 128-env regions: 2s3z 0.9 at 0.45M, 3s5z 0.8 at 0.45M, 8m 0.9 at 1.23M (0.883 at 2M)
+    # 262k ring (the preset's 1M ring at 3 seeds is 22.5 GB on 8m, nearly four times the
+    # learner's replay budget on a 24 GiB machine, which fits it down; and a 1M ring let VDN's
+    # 2s3z collapse), and on 8m 3m's 64 updates per 1,024 env steps on 128-env regions:
+    # 2s3z 0.9 at 0.45M, 3s5z 0.8 at 0.45M, 8m 0.9 at 1.23M (0.883 at 2M)
     ("qmix", "2s3z"): {"buffer_transitions": "262144"},
     ("qmix", "3s5z"): {"buffer_transitions": "262144"},
     ("qmix", "8m"): {"envs_per_collector": "128", "updates_per_region": "256", "buffer_transitions": "262144"},

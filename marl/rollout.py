@@ -183,7 +183,7 @@ def make_evaluator(env: JaxEnv, act: Callable, init_carry: Callable, n_envs: int
 
     def evaluate(params, key, start=None):
         key, reset_key = jax.random.split(key)
-        reset_keys = jax.random.split(reset_key, n_envs) if start is None else jnp.stack([start] * n_envs)
+        reset_keys = jax.random.split(reset_key, n_envs) if start is None else jnp.broadcast_to(start, (n_envs, *start.shape))
         timestep, env_state = jax.vmap(env.reset)(reset_keys)
 
         def step(carry, _):
