@@ -32,15 +32,6 @@ def _exit(signum, frame):
     raise Terminated(128 + signum)
 
 
-def _stop_behind(error: BaseException):
-    """The outside stop (Ctrl-C or SIGTERM) that `error` was raised while handling, if any:
-    a terminal's Ctrl-C also reaches Prefect's temporary server (a subprocess in the same
-    process group), so the flow engine's report of the stop can fail with a connection error."""
-    while error is not None and not isinstance(error, (KeyboardInterrupt, Terminated)):
-        error = error.__cause__ or error.__context__
-    return error
-
-
 def _embedded_defaults(verbose: bool = False):
     """Prefect without a server (a temporary one in-process), its state under .prefect/;
     Prefect's and Dask's log lines only from warnings up, unless `verbose`. SIGTERM then
@@ -215,14 +206,11 @@ def cmd_train(args) -> int:
         except (train_flow.StageError, train_flow.RunStopped) as e:  # a failed run: one line, exit 1
             progress.stop()
             return fail(e, code=1)
-        except BaseException as e:  # stopped from outside: one line, how to go on
-            stop = _stop_behind(e)
-            if stop is None:
-                raise
+        except (KeyboardInterrupt, Terminated) as e:  # stopped from outside: one line, how to go on
             progress.stop()
-            how = "SIGTERM" if isinstance(stop, Terminated) else "Ctrl-C"
+            how = "SIGTERM" if isinstance(e, Terminated) else "Ctrl-C"
             return fail(f"stopped by {how}; the same command resumes from {config.run_dir}'s last checkpoint",
-                        code=stop.code if isinstance(stop, Terminated) else 130)
+                        code=e.code if isinstance(e, Terminated) else 130)
         finally:
             train_flow.ITERATION_HOOKS.remove(on_iteration)
     console.print(table)

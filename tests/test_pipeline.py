@@ -212,33 +212,6 @@ def test_a_sigtermed_marl_train_stops_its_prefect_server(tmp_path, dask_cluster)
     assert not alive, f"the Prefect server {server.pid} outlived its run"
 
 
-def test_a_ctrl_c_to_marl_train_stops_it_with_one_line(tmp_path, dask_cluster):
-    """Ctrl-C in a terminal signals the whole foreground process group, so Prefect's temporary
-    server (a subprocess of the run) stops at the same moment as the run: the run still exits
-    130 with the one line saying how to resume, not the connection error of the flow engine
-    reporting the stop to a server that is gone."""
-    import signal
-    import subprocess
-    import sys
-    import time
-
-    run_dir = tmp_path / "interrupted"
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_API_", "PREFECT_SERVER_DATABASE"))}
-    env["PREFECT_HOME"] = str(tmp_path / "prefect")
-    command = [os.path.join(os.path.dirname(sys.executable), "marl"), "train", TINY, "--run-dir", str(run_dir),
-               "--env-steps", str(64 * 512), "--scheduler", dask_cluster.scheduler_address, "--quiet"]
-    run = subprocess.Popen(command, env=env, cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                           start_new_session=True)  # its own group, as a terminal's foreground job
-    deadline = time.time() + 300
-    while run.poll() is None and time.time() < deadline and not (run_dir / "metrics.csv").exists():
-        time.sleep(0.2)
-    assert run.poll() is None, f"the run ended before it was stopped: {run.stderr.read()}"
-    os.killpg(run.pid, signal.SIGINT)
-    assert run.wait(timeout=120) == 130, run.stderr.read().decode()[-3000:]
-    last = run.stderr.read().decode().strip().splitlines()[-1]
-    assert last == f"marl: stopped by Ctrl-C; the same command resumes from {run_dir}'s last checkpoint"
-
-
 @pytest.mark.parametrize("kwargs, error, words", [
     (dict(env="smax:4m"), EnvError, "unknown env id 'smax:4m'"),
     (dict(preset="qmix-smax"), ConfigError, "unknown preset 'qmix-smax'"),
