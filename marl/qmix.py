@@ -47,6 +47,9 @@ class Config:
     # JaxMARL's QMIX starts its mixer small (orthogonal, 0.001), so Q_tot starts near zero
     mixer_init_scale: float = 1.0
     lr: float = 5e-4
+    # >0: the lr decays linearly to 0 over this many training iterations (regions), as
+    # MAPPO's; 0 keeps it constant (pymarl's QMIX)
+    anneal_lr_iterations: int = 0
     gamma: float = 0.99
     td_lambda: float = 0.0  # 0: one-step targets; >0: TD(lambda) targets over each window
     max_grad_norm: float = 10.0
@@ -175,8 +178,10 @@ def make_learner(spec: EnvSpec, config: Config):
     mixer = (Mixer(config.mixer_embed, config.hypernet_embed, encoders.for_image(spec.state_shape),
                    config.mixer_init_scale)
              if config.mixer == "qmix" else MIXERS[config.mixer]())
-    optimizer = optax.chain(optax.clip_by_global_norm(config.max_grad_norm),
-                            optax.adam(config.lr))
+    # optax counts updates; an iteration is one region's updates_per_region of them
+    lr = (optax.linear_schedule(config.lr, 0.0, config.anneal_lr_iterations * config.updates_per_region)
+          if config.anneal_lr_iterations > 0 else config.lr)
+    optimizer = optax.chain(optax.clip_by_global_norm(config.max_grad_norm), optax.adam(lr))
     n_agents = spec.n_agents
 
     # the acting carry: the GRU memory, then (last_action) the previous action one-hot
@@ -313,6 +318,7 @@ def make_learner(spec: EnvSpec, config: Config):
         target_params = optax.periodic_update(params, train_state["target_params"], n,
                                               config.target_update_interval)
         metrics["grad_norm"] = optax.global_norm(grads)
+        metrics["lr"] = jnp.asarray(lr(n - 1) if callable(lr) else lr, jnp.float32)  # this step's
         return {**train_state, "params": params, "target_params": target_params,
                 "opt_state": opt_state, "updates": n}, metrics
 

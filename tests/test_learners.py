@@ -66,6 +66,22 @@ def test_qmix_mixer_init_scale_shrinks_the_mixer_and_its_default_keeps_flax_init
     jax.tree.map(np.testing.assert_array_equal, params[1.0]["agent"], params[0.01]["agent"])
 
 
+def test_qmix_lr_anneals_to_zero_over_its_iterations_and_stays_constant_by_default(smax_windows):
+    env, arrays, ring, _ = smax_windows
+    lrs = {}
+    for anneal in (0, 2):
+        config = algos.config_for("qmix", {**SMALL, "updates_per_region": 4, "anneal_lr_iterations": anneal})
+        learner = algos.make_learner("qmix", env.spec, config)
+        state = learner.init(jax.random.PRNGKey(0))
+        lrs[anneal] = []
+        for _ in range(3):  # three regions of 4 updates: the anneal spans the first two
+            state, metrics = learner.train(state, arrays, ring, 4)
+            lrs[anneal].append(float(metrics["lr"]))
+    assert lrs[0] == pytest.approx([config.lr] * 3)
+    # the mean lr of each region's updates (steps 0-3 of 8, 4-7, then past the anneal)
+    assert lrs[2] == pytest.approx([config.lr * 13 / 16, config.lr * 5 / 16, 0.0], abs=1e-9)
+
+
 def test_seeds_split_and_join_envs_in_blocks():
     x = jnp.arange(2 * 3 * 6).reshape(2, 6, 3)  # [T, S*N, ...] with S=3, N=2
     split = seeds.split_envs(x, 3, axis=1)
