@@ -137,6 +137,11 @@ TIME_LIMIT_ONLY = ("mpe", "overcooked", "overcooked_v2", "coin_game", "storm")
 # info["shaped_reward"] (Overcooked: 3 per onion put in a pot, 3 per plate picked up, 5 per
 # soup picked up; the reward itself is 20 per delivered soup)
 SHAPED_REWARD = ("overcooked", "overcooked_v2")
+# SMAX pays for enemy health taken and the win, nothing for own health kept; this env kwarg
+# (opt-in, so SMAX's replay stays as it is by default) adds the team's own health lost as
+# the shaping term, -(sum of the allies' health lost, each over its type's full health) /
+# allies, so reward + 1 * it is SMAC's reward with reward_only_positive=False
+SMAX_HEALTH_SHAPING = "health_lost_shaping"
 
 
 class JaxEnv:
@@ -213,7 +218,9 @@ class JaxEnv:
         done = jnp.asarray(dones["__all__"], bool)
         reward = jnp.stack([jnp.asarray(reward[a], jnp.float32) for a in self.spec.agents])
         shaped = None
-        if self.spec.shaped_reward:
+        if self.spec.shaped_reward and self.family == "smax":
+            shaped = jnp.full((self.spec.n_agents,), self._smax_health_lost(env_state, next_state))
+        elif self.spec.shaped_reward:
             shaped = jnp.stack([jnp.asarray(info["shaped_reward"][a], jnp.float32) for a in self.spec.agents])
         real, won = self._ended(next_state, actions, reward, info)
         terminated = done & real
@@ -246,6 +253,15 @@ class JaxEnv:
         if self.family == "mabrax":  # brax marks its own episode-length ends as truncation
             return ~jnp.asarray(info.get("truncation", 0.0), bool), no
         return no, no  # TIME_LIMIT_ONLY: every end is the time limit
+
+    def _smax_health_lost(self, before, after):
+        """SMAX_HEALTH_SHAPING's term: minus the allies' health lost this step, each unit's
+        over its type's full health, summed and over the number of allies."""
+        before, after = getattr(before, "state", before), getattr(after, "state", after)
+        n = self.env.num_allies
+        full = self.env.unit_type_health[before.unit_types[:n]]
+        lost = jnp.maximum(before.unit_health[:n] - after.unit_health[:n], 0.0) / full
+        return -jnp.sum(lost).astype(jnp.float32) / n
 
     def _alive(self, env_state):
         """SMAX: (any ally alive, any enemy alive) in the env's own state."""
@@ -540,7 +556,11 @@ def _make_smax(env_id: str, scenario: str, kwargs: dict) -> JaxEnv:
     if "scenario" in kwargs:
         raise EnvError(f"{env_id}: the id names the scenario; drop the scenario env kwarg "
                        "(or use jaxmarl:HeuristicEnemySMAX with it)")
-    return _make_jaxmarl(env_id, "HeuristicEnemySMAX", {**kwargs, "scenario": scenario})
+    shaping = bool(kwargs.pop(SMAX_HEALTH_SHAPING, False))
+    env = _make_jaxmarl(env_id, "HeuristicEnemySMAX", {**kwargs, "scenario": scenario})
+    if shaping:
+        env.spec = dataclasses.replace(env.spec, shaped_reward=True)
+    return env
 
 
 # ------------------------------------------------------------------- PettingZoo envs

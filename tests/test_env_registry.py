@@ -240,6 +240,27 @@ def test_overcooked_gives_its_shaped_reward_to_the_agent_that_earned_it():
     np.testing.assert_array_equal(ts.reward, [0.0, 0.0])
 
 
+def test_smax_health_lost_shaping_is_opt_in_and_a_lost_episode_sums_to_minus_one():
+    """The opt-in SMAX shaping term is the team's own health lost: the same for every ally,
+    never positive, and over an episode the allies lose (every ally dead) it sums to -1."""
+    assert not envs.make("smax:3m").spec.shaped_reward
+    env = envs.make("smax:3m", health_lost_shaping=True)
+    assert env.spec.shaped_reward
+    step = jax.jit(env.step)
+    ts, state = env.reset(jax.random.PRNGKey(0))
+    total, key = 0.0, jax.random.PRNGKey(1)
+    for _ in range(env.spec.episode_limit + 1):  # one episode, random play (3m: lost)
+        key, k_act, k_step = jax.random.split(key, 3)
+        action = jax.random.categorical(k_act, jnp.where(ts.avail_actions, 0.0, -jnp.inf))
+        ts, state = step(k_step, state, action)
+        assert (ts.shaped_reward == ts.shaped_reward[0]).all() and ts.shaped_reward[0] <= 0
+        total += float(ts.shaped_reward[0])
+        if ts.first:
+            break
+    assert ts.first and ts.terminated and not ts.won
+    assert total == pytest.approx(-1.0, abs=1e-5)
+
+
 def test_the_scripted_smax_baseline_moves_each_ally_toward_its_nearest_enemy():
     """bench/smax_scripted.py's teams move as SMAX decodes its move actions (up, right, down,
     left): out of range at the start, every ally's first step goes within 45 degrees of the
