@@ -77,6 +77,25 @@ def migrate_embedded_home() -> None:
         asyncio.run(provide_database_interface().create_db())
 
 
+def start_embedded_server() -> None:
+    """Starts Prefect's temporary server now (else the flow starts it), with SIGINT blocked so
+    that the server inherits the block: a terminal's Ctrl-C, which signals the whole
+    foreground process group, would stop it with the run, and the flow engine could not
+    record the stop (a connection error instead of the run's one line). It still stops at
+    exit, by SIGTERM. Nothing to start where PREFECT_API_URL names a server."""
+    from prefect.settings import PREFECT_API_URL, PREFECT_SERVER_EPHEMERAL_ENABLED
+
+    if PREFECT_API_URL.value() or not PREFECT_SERVER_EPHEMERAL_ENABLED.value():
+        return
+    from prefect.server.api.server import SubprocessASGIServer
+
+    before = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:  # the instance Prefect's clients find: one per port, and this is the no-port one
+        SubprocessASGIServer().start()
+    finally:  # a SIGINT that came meanwhile reaches this thread now
+        signal.pthread_sigmask(signal.SIG_SETMASK, before)
+
+
 class Parser(argparse.ArgumentParser):
     """argparse with its errors in one line (argparse prints the whole usage first)."""
 
@@ -171,6 +190,7 @@ def cmd_train(args) -> int:
     from flows import train as train_flow
 
     migrate_embedded_home()
+    start_embedded_server()
     quiet_reported_failures()
     console = Console(quiet=args.quiet)  # --quiet: only the final line below
 

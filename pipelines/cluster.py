@@ -21,12 +21,15 @@ import contextlib
 import importlib.util
 import logging
 import os
+import signal
 import socket
 import sys
 import tempfile
+import threading
 
 import dask
 from distributed import Client, LocalCluster
+from distributed.diagnostics.plugin import WorkerPlugin
 from distributed.security import Security
 from distributed.system import MEMORY_LIMIT
 
@@ -236,6 +239,20 @@ def _threads_cluster(n_workers, dashboard_address, threads_per_worker, memory_li
             ServerNode.start_http_server = original
 
 
+class IgnoreCtrlC(WorkerPlugin):
+    """A local cluster's worker processes ignore SIGINT. A terminal's Ctrl-C signals its whole
+    foreground process group, and these workers are the run's to stop (their nannies close
+    them as it exits); else each dies first, with its own traceback above the run's one line.
+    A plugin, so workers that restart later ignore it too; a worker that is a thread of this
+    process (the threads cluster) leaves the process's handler alone."""
+
+    name = "marl-ignore-ctrl-c"
+
+    def setup(self, worker):
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
 @contextlib.contextmanager
 def connect(address: str | None = None, security: Security | None = None, **cluster_kwargs):
     """Yields a Client: to the scheduler at `address` (default: $MARL_DASK_SCHEDULER, which
@@ -252,6 +269,7 @@ def connect(address: str | None = None, security: Security | None = None, **clus
     cluster = make_cluster(security=security, **cluster_kwargs)
     try:
         with Client(cluster, timeout=CONNECT_TIMEOUT, security=security) as client:
+            client.register_plugin(IgnoreCtrlC())
             yield client
     finally:
         try:

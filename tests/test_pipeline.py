@@ -212,6 +212,47 @@ def test_a_sigtermed_marl_train_stops_its_prefect_server(tmp_path, dask_cluster)
     assert not alive, f"the Prefect server {server.pid} outlived its run"
 
 
+@pytest.mark.parametrize("cluster", ["scheduler", "local"])
+def test_a_ctrl_c_to_marl_train_stops_it_with_one_line(tmp_path, dask_cluster, cluster):
+    """Ctrl-C in a terminal signals the whole foreground process group: the run, Prefect's
+    temporary server and, on the embedded default, the local cluster's workers. The run still
+    exits 130 with the one line saying how to resume; its server outlives the signal to
+    record the stop (a server gone first left a connection error), its workers too (each
+    died with a traceback of its own); and nothing of the group is left after."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    import psutil
+
+    run_dir = tmp_path / "interrupted"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_API_", "PREFECT_SERVER_DATABASE"))}
+    env["PREFECT_HOME"] = str(tmp_path / "prefect")
+    command = [os.path.join(os.path.dirname(sys.executable), "marl"), "train", TINY, "--run-dir", str(run_dir),
+               "--env-steps", str(64 * 512), "--quiet"]
+    if cluster == "scheduler":
+        command += ["--scheduler", dask_cluster.scheduler_address]
+    run = subprocess.Popen(command, env=env, cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                           start_new_session=True)  # its own group, as a terminal's foreground job
+    deadline = time.time() + 300
+    while run.poll() is None and time.time() < deadline and not (run_dir / "metrics.csv").exists():
+        time.sleep(0.2)
+    assert run.poll() is None, f"the run ended before it was stopped: {run.stderr.read()}"
+    group = [psutil.Process(run.pid), *psutil.Process(run.pid).children(recursive=True)]
+    os.killpg(run.pid, signal.SIGINT)
+    try:
+        code = run.wait(timeout=120)
+    except subprocess.TimeoutExpired:
+        os.killpg(run.pid, signal.SIGKILL)
+        pytest.fail(f"no exit 120 s after Ctrl-C: {run.stderr.read().decode()[-3000:]}")
+    err = run.stderr.read().decode()
+    assert code == 130 and "Traceback" not in err, err[-3000:]
+    assert err.strip().splitlines()[-1] == f"marl: stopped by Ctrl-C; the same command resumes from {run_dir}'s last checkpoint"
+    _, alive = psutil.wait_procs(group, timeout=30)
+    assert not alive, f"left running after the run: {[p.cmdline()[:3] for p in alive]}"
+
+
 @pytest.mark.parametrize("kwargs, error, words", [
     (dict(env="smax:4m"), EnvError, "unknown env id 'smax:4m'"),
     (dict(preset="qmix-smax"), ConfigError, "unknown preset 'qmix-smax'"),
