@@ -84,13 +84,11 @@ def _arrays_table(path: str, names: list[str]):
         table.add_column(col, justify="right" if col in ("stored", "ratio") else "left")
     for name in names:
         array = group[name]
-        stored = _dir_size(os.path.join(path, name))
-        chunk_bytes = math.prod(array.chunks) * array.dtype.itemsize
-        chunk_dir = os.path.join(path, name, "c")
-        n_chunks = sum(len(fs) for _, _, fs in os.walk(chunk_dir))
-        # raw / compressed bytes of the chunks on disk (stores made before every chunk was
-        # written lack those equal to the fill value)
-        ratio = f"{n_chunks * chunk_bytes / _dir_size(chunk_dir):.1f}x" if n_chunks else "no chunks"
+        stored = array.nbytes_stored()  # its chunks and metadata, on any store
+        n_chunks = array.nchunks_initialized
+        # raw / stored bytes of the chunks written (stores made before every chunk was written
+        # lack those equal to the fill value); the metadata's ~1 KiB is in the stored bytes
+        ratio = f"{n_chunks * math.prod(array.chunks) * array.dtype.itemsize / stored:.1f}x" if n_chunks else "no chunks"
         codecs = [*array.filters, array.serializer, *array.compressors]
         table.add_row(name, str(array.dtype), ",".join(array.metadata.dimension_names or ()),
                       "x".join(map(str, array.shape)), "x".join(map(str, array.chunks)),

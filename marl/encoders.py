@@ -1,4 +1,5 @@
-"""The conv encoder of image observations and states (EnvSpec.obs_shape / state_shape).
+"""What learners' networks see first: the conv encoder of image observations and states
+(EnvSpec.obs_shape / state_shape), and each agent's one-hot id beside a shared network's input.
 
 Learners put it in front of their networks where the spec's observation (or state) is an
 image: MAPPO/IPPO's actor and critic, QMIX/VDN/IQL's agent network and QMIX's mixer,
@@ -50,3 +51,10 @@ def for_image(image_shape: tuple[int, ...]) -> ImageEncoder | None:
 def encode(encoder: nn.Module | None, x):
     """x through the encoder where there is one (an image), else x as it is (a vector)."""
     return x if encoder is None else encoder(x)
+
+
+def with_agent_ids(x):
+    """x [..., agent, d] + each agent's one-hot id, so one shared network tells agents apart."""
+    n_agents = x.shape[-2]
+    ids = jnp.broadcast_to(jnp.eye(n_agents, dtype=x.dtype), (*x.shape[:-2], n_agents, n_agents))
+    return jnp.concatenate([x, ids], axis=-1)

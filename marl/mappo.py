@@ -118,7 +118,7 @@ class Actor(nn.Module):
     def __call__(self, carry, obs):
         act = ACTIVATIONS[self.activation]
         x = encoders.encode(self.encoder, obs)
-        x = with_agent_ids(x, x.shape[-2])
+        x = encoders.with_agent_ids(x)
         h = act(nn.Dense(self.hidden, kernel_init=orthogonal(np.sqrt(2)), bias_init=constant(0.0))(x))
         if self.recurrent:
             carry, h = nn.GRUCell(self.hidden)(carry, h)
@@ -153,16 +153,10 @@ class Critic(nn.Module):
             if self.sees == "agent":
                 own = encoders.encode(self.obs_encoder, obs)
                 x = jnp.concatenate([x, own.astype(x.dtype)], axis=-1)
-        x = with_agent_ids(x, self.n_agents)
+        x = encoders.with_agent_ids(x)
         h = act(nn.Dense(self.hidden, kernel_init=orthogonal(np.sqrt(2)), bias_init=constant(0.0))(x))
         h = act(nn.Dense(self.hidden, kernel_init=orthogonal(np.sqrt(2)), bias_init=constant(0.0))(h))
         return nn.Dense(1, kernel_init=orthogonal(1.0), bias_init=constant(0.0))(h)[..., 0]
-
-
-def with_agent_ids(x, n_agents: int):
-    """x [..., agent, d] + each agent's one-hot id, so one shared network tells agents apart."""
-    ids = jnp.broadcast_to(jnp.eye(n_agents, dtype=x.dtype), (*x.shape[:-2], n_agents, n_agents))
-    return jnp.concatenate([x, ids], axis=-1)
 
 
 # --------------------------------------------------------------- action distributions

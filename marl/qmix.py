@@ -95,7 +95,7 @@ class AgentRNN(nn.Module):
     @nn.compact
     def __call__(self, carry, obs, reset):
         carry = jnp.where(reset[..., None], 0.0, carry)
-        x = with_agent_ids(encoders.encode(self.encoder, obs))
+        x = encoders.with_agent_ids(encoders.encode(self.encoder, obs))
         h = nn.relu(nn.Dense(self.hidden)(x))
         carry, h = nn.GRUCell(self.hidden)(carry, h)
         return carry, nn.Dense(self.n_actions)(h)
@@ -142,13 +142,6 @@ class NoMixer(nn.Module):
 
 
 MIXERS = {"qmix": None, "vdn": SumMixer, "none": NoMixer}
-
-
-def with_agent_ids(obs):
-    """Append each agent's one-hot id so one shared network can tell agents apart."""
-    n_agents = obs.shape[-2]
-    ids = jnp.broadcast_to(jnp.eye(n_agents, dtype=obs.dtype), (*obs.shape[:-2], n_agents, n_agents))
-    return jnp.concatenate([obs, ids], axis=-1)
 
 
 def lambda_returns(reward, terminated, next_value, next_cut, gamma: float, lam: float):
