@@ -248,8 +248,11 @@ class IgnoreCtrlC(WorkerPlugin):
 
     name = "marl-ignore-ctrl-c"
 
+    def __init__(self):
+        self.client_pid = os.getpid()
+
     def setup(self, worker):
-        if threading.current_thread() is threading.main_thread():
+        if os.getpid() != self.client_pid and threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
