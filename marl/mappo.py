@@ -72,6 +72,11 @@ class Config:
     # the critic learns targets normalised by their running mean and std (MAPPO's ValueNorm):
     # its outputs and the value clip live in that space, GAE and `score` in the return's
     value_norm: bool = False
+    # leave an agent with no choice (one available action: SMAX's dead units) out of every
+    # loss term and of the advantages' normalisation (MAPPO's active masks on SMAC); its
+    # policy has no gradient there anyway, but its steps dilute the means and its values
+    # are fitted to returns it can no longer change
+    active_masks: bool = False
     ent_coef: float = 0.01
     vf_coef: float = 0.5
     max_grad_norm: float = 0.5  # per network (actor and critic have their own optimiser)
@@ -417,6 +422,8 @@ def make_learner(spec: EnvSpec, config: Config):
         logp, entropy = log_prob_and_entropy(params["actor"], batch)
         logp, entropy = logp[:, :-1], entropy[:, :-1]
         weight = jnp.broadcast_to(batch["weight"][..., None], logp.shape)
+        if config.active_masks and discrete:
+            weight = weight * (batch["avail_actions"][:, :-1].sum(-1) > 1)
         mean = lambda x: jnp.sum(weight * x) / jnp.maximum(weight.sum(), 1.0)
         behaviour = batch["logp"][:, :-1]
         proximal = batch["logp_proximal"][:, :-1] if config.decoupled_clip else behaviour

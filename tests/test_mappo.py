@@ -222,6 +222,26 @@ def test_reward_shaping_off_trains_as_before_and_on_adds_the_annealed_shaped_ter
             refuse()
 
 
+def test_active_masks_leave_an_agent_without_a_choice_out_of_the_loss(feed_forward):
+    """With active_masks, an agent whose only available action is one (a dead SMAX unit) adds
+    nothing to the loss: what it stored there can be anything; off (the default), it counts."""
+    env, learner, state, _, seqs = feed_forward
+    n_actions = seqs["avail_actions"].shape[-1]
+    # agent 0 has one action left from step 16 of every sequence, and took it
+    dead = (jnp.arange(seqs["obs"].shape[1]) >= 16)[None, :, None] & (jnp.arange(env.spec.n_agents) == 0)[None, None, :]
+    batch = {**seqs, "avail_actions": jnp.where(dead[..., None], jnp.arange(n_actions) == 0, seqs["avail_actions"]),
+             "action": jnp.where(dead, 0, seqs["action"])}
+    # what the acting policy's log-probability was there moves that agent's PPO ratio only
+    other = {**batch, "logp": jnp.where(dead, -1.0, batch["logp"])}
+    losses = {}
+    for masked in (False, True):
+        on = mappo.make_learner(env.spec, dataclasses.replace(learner.config, active_masks=masked))
+        losses[masked] = [float(on.loss_fn(state["params"], state, b)[0]) for b in (batch, other)]
+    assert losses[False][0] != pytest.approx(losses[False][1], abs=1e-6)
+    assert losses[True][0] == pytest.approx(losses[True][1], abs=1e-7)
+    assert losses[True][0] != pytest.approx(losses[False][0], abs=1e-6)
+
+
 def test_recurrent_actor_replays_the_behaviour_log_probs_from_stored_memory(recurrent):
     """Windows starting mid-region and crossing an episode end give back the stored log-probs."""
     _, learner, state, data, seq = recurrent
