@@ -88,8 +88,9 @@ def stage_errors(run_dir: str):
 def quiet_task_errors(client) -> None:
     """Drops the workers' own "Compute Failed" dump of each failed task (its arguments and
     traceback, a screenful per retry): the error reaches the user once, as a StageError
-    whose log holds the traceback. Every other worker log line stays. A worker plugin, so
-    workers that join later (restarts) get it too."""
+    whose log holds the traceback; and their note of a task cut short as the worker closes
+    (a stopped run's, above its one line). Every other worker log line stays. A worker
+    plugin, so workers that join later (restarts) get it too."""
     from distributed.diagnostics.plugin import WorkerPlugin
 
     class QuietTaskErrors(WorkerPlugin):  # defined here: pickled by value, nothing to import
@@ -98,13 +99,16 @@ def quiet_task_errors(client) -> None:
         def setup(self, worker):
             import logging
 
-            log = logging.getLogger("distributed.worker")
-            if not any(getattr(f, "marl_quiet", False) for f in log.filters):
-                def drop(record):
-                    return not str(record.msg).startswith("Compute Failed")
+            for name, dropped in (("distributed.worker", lambda m: m.startswith("Compute Failed")),
+                                  ("distributed.worker.state_machine",
+                                   lambda m: m.startswith("Async instruction for") and m.endswith("CancelledError"))):
+                log = logging.getLogger(name)
+                if not any(getattr(f, "marl_quiet", False) for f in log.filters):
+                    def drop(record, dropped=dropped):
+                        return not dropped(str(record.msg))
 
-                drop.marl_quiet = True
-                log.addFilter(drop)
+                    drop.marl_quiet = True
+                    log.addFilter(drop)
 
     client.register_plugin(QuietTaskErrors())
 

@@ -247,7 +247,7 @@ def test_a_ctrl_c_to_marl_train_stops_it_with_one_line(tmp_path, dask_cluster, c
         os.killpg(run.pid, signal.SIGKILL)
         pytest.fail(f"no exit 120 s after Ctrl-C: {run.stderr.read().decode()[-3000:]}")
     err = run.stderr.read().decode()
-    assert code == 130 and "Traceback" not in err, err[-3000:]
+    assert code == 130 and "Traceback" not in err and "CancelledError" not in err, err[-3000:]
     assert err.strip().splitlines()[-1] == f"marl: stopped by Ctrl-C; the same command resumes from {run_dir}'s last checkpoint"
     _, alive = psutil.wait_procs(group, timeout=30)
     assert not alive, f"left running after the run: {[p.cmdline()[:3] for p in alive]}"
