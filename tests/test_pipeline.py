@@ -180,30 +180,39 @@ def test_a_killed_marl_train_process_resumes_with_every_region_once(tmp_path, pr
     assert int(meta["iteration"]) == iterations and int(state["updates"]) == iterations * per_iteration
 
 
+def _embedded_train_running(tmp_path, run_dir, *args, ready=lambda run: True, **popen):
+    """`marl train` of TINY in a subprocess on embedded Prefect (its own temporary server, a
+    fresh home), once it has written metrics.csv and `ready(run)` holds; stderr piped."""
+    import subprocess
+    import sys
+    import time
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_API_", "PREFECT_SERVER_DATABASE"))}
+    env["PREFECT_HOME"] = str(tmp_path / "prefect")
+    command = [os.path.join(os.path.dirname(sys.executable), "marl"), "train", TINY, "--run-dir", str(run_dir),
+               "--env-steps", str(64 * 512), "--quiet", *args]
+    run = subprocess.Popen(command, env=env, cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, **popen)
+    deadline = time.time() + 300
+    while run.poll() is None and time.time() < deadline and not ((run_dir / "metrics.csv").exists() and ready(run)):
+        time.sleep(0.2)
+    assert run.poll() is None, f"the run ended before it was stopped: {run.stderr.read()}"
+    return run
+
+
 def test_a_sigtermed_marl_train_stops_its_prefect_server(tmp_path, dask_cluster):
     """SIGTERM to `marl train` mid-run (a scheduler's or `timeout`'s stop): the process exits
     143 with one line saying how to resume, and takes its temporary Prefect server with it;
     with Python's default SIGTERM the server, a subprocess, went on running without a parent."""
     import signal
-    import subprocess
-    import sys
-    import time
 
     import psutil
 
     run_dir = tmp_path / "termed"
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_API_", "PREFECT_SERVER_DATABASE"))}
-    env["PREFECT_HOME"] = str(tmp_path / "prefect")
-    command = [os.path.join(os.path.dirname(sys.executable), "marl"), "train", TINY, "--run-dir", str(run_dir),
-               "--env-steps", str(64 * 512), "--scheduler", dask_cluster.scheduler_address, "--quiet"]
-    run = subprocess.Popen(command, env=env, cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    servers = lambda: [p for p in psutil.Process(run.pid).children(recursive=True)
-                       if "prefect.server.api.server" in " ".join(p.cmdline())]
-    deadline = time.time() + 300
-    while run.poll() is None and time.time() < deadline and not (servers() and (run_dir / "metrics.csv").exists()):
-        time.sleep(0.2)
-    assert run.poll() is None, f"the run ended before it was stopped: {run.stderr.read()}"
-    server = servers()[0]
+    servers = lambda run: [p for p in psutil.Process(run.pid).children(recursive=True)
+                           if "prefect.server.api.server" in " ".join(p.cmdline())]
+    run = _embedded_train_running(tmp_path, run_dir, "--scheduler", dask_cluster.scheduler_address,
+                                  ready=lambda run: bool(servers(run)))
+    server = servers(run)[0]
     run.send_signal(signal.SIGTERM)
     assert run.wait(timeout=120) == 128 + signal.SIGTERM
     last = run.stderr.read().decode().strip().splitlines()[-1]
@@ -221,24 +230,13 @@ def test_a_ctrl_c_to_marl_train_stops_it_with_one_line(tmp_path, dask_cluster, c
     died with a traceback of its own); and nothing of the group is left after."""
     import signal
     import subprocess
-    import sys
-    import time
 
     import psutil
 
     run_dir = tmp_path / "interrupted"
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_API_", "PREFECT_SERVER_DATABASE"))}
-    env["PREFECT_HOME"] = str(tmp_path / "prefect")
-    command = [os.path.join(os.path.dirname(sys.executable), "marl"), "train", TINY, "--run-dir", str(run_dir),
-               "--env-steps", str(64 * 512), "--quiet"]
-    if cluster == "scheduler":
-        command += ["--scheduler", dask_cluster.scheduler_address]
-    run = subprocess.Popen(command, env=env, cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                           start_new_session=True)  # its own group, as a terminal's foreground job
-    deadline = time.time() + 300
-    while run.poll() is None and time.time() < deadline and not (run_dir / "metrics.csv").exists():
-        time.sleep(0.2)
-    assert run.poll() is None, f"the run ended before it was stopped: {run.stderr.read()}"
+    scheduler = ["--scheduler", dask_cluster.scheduler_address] if cluster == "scheduler" else []
+    # its own group, as a terminal's foreground job
+    run = _embedded_train_running(tmp_path, run_dir, *scheduler, start_new_session=True)
     group = [psutil.Process(run.pid), *psutil.Process(run.pid).children(recursive=True)]
     os.killpg(run.pid, signal.SIGINT)
     try:
