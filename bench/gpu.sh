@@ -16,7 +16,8 @@
 # "compile": trace, compile, first and steady call of each env family's rollout, apart
 # (bench/compile_probe.py), and "hostcopy": how fast a region leaves the device
 # (bench/host_copy.py); and "maps": SMAX learning runs of bench/smax_maps.py on the accelerator
-# (GPU_CHECK_MAPS_ARGS, its arguments; GPU_CHECK_MAPS_LIMIT_S, default 540) with CPU-only runs
+# (GPU_CHECK_MAPS_ARGS, its arguments, argument sets separated by ';' run one after another in
+# run roots device, device2, ...; GPU_CHECK_MAPS_LIMIT_S, default 540, for all) with CPU-only runs
 # beside it on the machine's other cores (GPU_CHECK_MAPS_CPU_ARGS, argument sets separated by
 # ';'), each run's metrics.csv and wall log brought back in $OUT/maps-runs.tgz (read them here
 # with `mkdir R && tar xzf maps-runs.tgz -C R && python bench/smax_maps.py --report-only
@@ -224,9 +225,19 @@ for what in $PARTS; do
           echo "| smax_maps cpu$i ($args) | exit $? |" >> "$OUT/status.md.tmp" ) &
         cpu_pids+=($!)
       done
-      eval "set -- ${GPU_CHECK_MAPS_ARGS:-}"
-      [ $# -gt 0 ] && part "smax_maps ${GPU_CHECK_MAPS_ARGS}" "${GPU_CHECK_MAPS_LIMIT_S:-540}" "$PY" bench/smax_maps.py \
-        --orchestrator none --run-root "$MAPS_ROOT/device" --results-name maps-device "$@"
+      # the accelerator's argument sets (';'-separated) run one after the other, each in its own
+      # run root (device, device2, ...) under the one limit, which each later set shares with
+      # what the ones before it left
+      IFS=';' read -ra DEVICE_RUNS <<< "${GPU_CHECK_MAPS_ARGS:-}"
+      maps_end=$(( $(date +%s) + ${GPU_CHECK_MAPS_LIMIT_S:-540} ))
+      j=0
+      for args in "${DEVICE_RUNS[@]}"; do
+        [ -n "${args// }" ] || continue
+        j=$((j + 1)); name=device; [ $j -gt 1 ] && name=device$j
+        eval "set -- $args"
+        part "smax_maps $name ($args)" "$(( maps_end - $(date +%s) ))" "$PY" bench/smax_maps.py \
+          --orchestrator none --run-root "$MAPS_ROOT/$name" --results-name "maps-$name" "$@"
+      done
       [ ${#cpu_pids[@]} -gt 0 ] && wait "${cpu_pids[@]}"
       # each run's curve and wall log come back (not its replay or checkpoints) in one archive:
       # the device tool brings back a few files, one folder deep

@@ -57,6 +57,10 @@ class Config:
     recurrent: bool = False  # GRU actor; its hidden state is stored per step as `actor_h`
     hidden: int = 64
     activation: str = "tanh"  # "tanh" or "relu"
+    # LayerNorm on the input features and after each hidden layer, in actor and critic (the
+    # MAPPO paper's feature normalisation and its MLP blocks): unit counts and health scales
+    # differ by map, and this keeps each layer's inputs at one scale whatever the map
+    layer_norm: bool = False
     lr: float = 5e-4
     # linear decay of the learning rate to 0 over this many train calls (0: constant)
     anneal_lr_iterations: int = 0
@@ -104,6 +108,15 @@ VALUE_NORM_MIN_VAR = 1e-2
 # --------------------------------------------------------------------------- networks
 
 
+def normed(x, layer_norm: bool):
+    return nn.LayerNorm()(x) if layer_norm else x
+
+
+def hidden_layer(x, hidden: int, activation: str, layer_norm: bool):
+    h = ACTIVATIONS[activation](nn.Dense(hidden, kernel_init=orthogonal(np.sqrt(2)), bias_init=constant(0.0))(x))
+    return normed(h, layer_norm)
+
+
 class Actor(nn.Module):
     """obs [..., agent, obs] (an image: through the conv encoder) + agent id -> Dense ->
     (GRU) -> Dense -> logits (discrete) or mean (continuous).
@@ -118,16 +131,15 @@ class Actor(nn.Module):
     continuous: bool
     log_std_init: float
     encoder: nn.Module | None = None  # image observations (marl.encoders)
+    layer_norm: bool = False
 
     @nn.compact
     def __call__(self, carry, obs):
-        act = ACTIVATIONS[self.activation]
-        x = encoders.encode(self.encoder, obs)
-        x = encoders.with_agent_ids(x)
-        h = act(nn.Dense(self.hidden, kernel_init=orthogonal(np.sqrt(2)), bias_init=constant(0.0))(x))
+        x = encoders.with_agent_ids(normed(encoders.encode(self.encoder, obs), self.layer_norm))
+        h = hidden_layer(x, self.hidden, self.activation, self.layer_norm)
         if self.recurrent:
             carry, h = nn.GRUCell(self.hidden)(carry, h)
-        h = act(nn.Dense(self.hidden, kernel_init=orthogonal(np.sqrt(2)), bias_init=constant(0.0))(h))
+        h = hidden_layer(h, self.hidden, self.activation, self.layer_norm)
         out = nn.Dense(self.n_out, kernel_init=orthogonal(0.01), bias_init=constant(0.0))(h)
         log_std = (self.param("log_std", constant(self.log_std_init), (self.n_out,))
                    if self.continuous else jnp.zeros(()))
@@ -146,10 +158,10 @@ class Critic(nn.Module):
     sees: str  # one of CRITICS
     encoder: nn.Module | None = None  # an image state (central, agent) or image obs (local)
     obs_encoder: nn.Module | None = None  # the agent critic's image obs
+    layer_norm: bool = False
 
     @nn.compact
     def __call__(self, obs, state):  # [..., agent, obs] and [..., state] -> [..., agent]
-        act = ACTIVATIONS[self.activation]
         if self.sees == "local":
             x = encoders.encode(self.encoder, obs)
         else:
@@ -158,9 +170,9 @@ class Critic(nn.Module):
             if self.sees == "agent":
                 own = encoders.encode(self.obs_encoder, obs)
                 x = jnp.concatenate([x, own.astype(x.dtype)], axis=-1)
-        x = encoders.with_agent_ids(x)
-        h = act(nn.Dense(self.hidden, kernel_init=orthogonal(np.sqrt(2)), bias_init=constant(0.0))(x))
-        h = act(nn.Dense(self.hidden, kernel_init=orthogonal(np.sqrt(2)), bias_init=constant(0.0))(h))
+        x = encoders.with_agent_ids(normed(x, self.layer_norm))
+        h = hidden_layer(x, self.hidden, self.activation, self.layer_norm)
+        h = hidden_layer(h, self.hidden, self.activation, self.layer_norm)
         return nn.Dense(1, kernel_init=orthogonal(1.0), bias_init=constant(0.0))(h)[..., 0]
 
 
@@ -246,11 +258,12 @@ def make_learner(spec: EnvSpec, config: Config):
     n_agents, discrete = spec.n_agents, spec.discrete
     n_out = spec.n_actions if discrete else spec.action_dim
     actor = Actor(config.hidden, n_out, config.activation, config.recurrent, not discrete,
-                  config.log_std_init, encoders.for_image(spec.obs_shape))
+                  config.log_std_init, encoders.for_image(spec.obs_shape), config.layer_norm)
     local = config.critic == "local"
     critic = Critic(config.hidden, config.activation, n_agents, config.critic,
                     encoders.for_image(spec.obs_shape if local else spec.state_shape),
-                    encoders.for_image(spec.obs_shape) if config.critic == "agent" else None)
+                    encoders.for_image(spec.obs_shape) if config.critic == "agent" else None,
+                    config.layer_norm)
     updates_per_call = config.epochs * config.minibatches
 
     def lr_schedule(count):
