@@ -235,8 +235,10 @@ def test_a_ctrl_c_to_marl_train_stops_it_with_one_line(tmp_path, dask_cluster, c
 
     run_dir = tmp_path / "interrupted"
     scheduler = ["--scheduler", dask_cluster.scheduler_address] if cluster == "scheduler" else []
-    # its own group, as a terminal's foreground job
-    run = _embedded_train_running(tmp_path, run_dir, *scheduler, start_new_session=True)
+    # its own group with SIGINT at its default, as a terminal's foreground job (pytest started
+    # as a background job of a shell without job control would hand it SIGINT ignored)
+    run = _embedded_train_running(tmp_path, run_dir, *scheduler, start_new_session=True,
+                                  preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     group = [psutil.Process(run.pid), *psutil.Process(run.pid).children(recursive=True)]
     os.killpg(run.pid, signal.SIGINT)
     try:
