@@ -77,23 +77,50 @@ def migrate_embedded_home() -> None:
         asyncio.run(provide_database_interface().create_db())
 
 
+# argv: the parent's pid, then the command to exec. PR_SET_PDEATHSIG (1) outlives exec; a
+# parent gone before it took hold is caught by the pid check. A launcher rather than a
+# preexec_fn: Python code between fork and exec can deadlock in a process with JAX's threads.
+DIE_WITH_PARENT = ("import ctypes, os, signal, sys; ctypes.CDLL(None).prctl(1, signal.SIGTERM); "
+                   "os.getppid() == int(sys.argv[1]) or sys.exit(0); os.execv(sys.argv[2], sys.argv[2:])")
+
+
 def start_embedded_server() -> None:
-    """Starts Prefect's temporary server now (else the flow starts it), with SIGINT blocked so
-    that the server inherits the block: a terminal's Ctrl-C, which signals the whole
-    foreground process group, would stop it with the run, and the flow engine could not
-    record the stop (a connection error instead of the run's one line). It still stops at
-    exit, by SIGTERM. Nothing to start where PREFECT_API_URL names a server."""
+    """Starts Prefect's temporary server now (else the flow starts it, in the run's process
+    group), in a process group of its own. A terminal's Ctrl-C, and the SIGTERM of `timeout`,
+    Slurm or systemd, signal the whole group: a server stopped with the run left the flow
+    engine unable to record the stop (a connection error instead of the run's one line). The
+    run still stops it at exit (Prefect's atexit), and on Linux the kernel sends it SIGTERM
+    should the run die without exiting (SIGKILL). Nothing to start where PREFECT_API_URL
+    names a server."""
     from prefect.settings import PREFECT_API_URL, PREFECT_SERVER_EPHEMERAL_ENABLED
 
     if PREFECT_API_URL.value() or not PREFECT_SERVER_EPHEMERAL_ENABLED.value():
         return
-    from prefect.server.api.server import SubprocessASGIServer
+    import subprocess
+    import types
 
-    before = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
-    try:  # the instance Prefect's clients find: one per port, and this is the no-port one
-        SubprocessASGIServer().start()
-    finally:  # a SIGINT that came meanwhile reaches this thread now
-        signal.pthread_sigmask(signal.SIG_SETMASK, before)
+    from prefect.server.api import server
+
+    parent = os.getpid()
+
+    def popen(args, **kwargs):  # Prefect's Popen of the server, in a group of its own
+        if sys.platform == "linux":  # through a launcher that asks for SIGTERM at the run's death
+            args = [sys.executable, "-c", DIE_WITH_PARENT, str(parent), *args]
+        return subprocess.Popen(args, process_group=0, **kwargs)
+
+    class OwnGroupServer(server.SubprocessASGIServer):
+        def _run_uvicorn_command(self):
+            # Prefect's module's name `subprocess` is swapped for this one call (the global
+            # module stays as it is for other threads)
+            server.subprocess = types.SimpleNamespace(Popen=popen)
+            try:
+                return super()._run_uvicorn_command()
+            finally:
+                server.subprocess = subprocess
+
+    # the instance Prefect's clients find: one per port (a registry shared with subclasses),
+    # and this is the no-port one
+    OwnGroupServer().start()
 
 
 class Parser(argparse.ArgumentParser):

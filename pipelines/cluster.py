@@ -239,14 +239,15 @@ def _threads_cluster(n_workers, dashboard_address, threads_per_worker, memory_li
             ServerNode.start_http_server = original
 
 
-class IgnoreCtrlC(WorkerPlugin):
-    """A local cluster's worker processes ignore SIGINT. A terminal's Ctrl-C signals its whole
-    foreground process group, and these workers are the run's to stop (their nannies close
-    them as it exits); else each dies first, with its own traceback above the run's one line.
-    A plugin, so workers that restart later ignore it too; a worker that is a thread of this
-    process (the threads cluster) leaves the process's handler alone."""
+class IgnoreGroupStops(WorkerPlugin):
+    """A local cluster's worker processes ignore SIGINT and SIGTERM. A terminal's Ctrl-C, and
+    the SIGTERM of `timeout`, Slurm or systemd, signal the run's whole process group, and these
+    workers are the run's to stop (their nannies close them as it exits, by message, else by
+    SIGKILL); else each dies first, with its own traceback or a nanny's restart above the
+    run's one line. A plugin, so workers that restart later ignore them too; a worker that is
+    a thread of this process (the threads cluster) leaves the process's handlers alone."""
 
-    name = "marl-ignore-ctrl-c"
+    name = "marl-ignore-group-stops"
 
     def __init__(self):
         self.client_pid = os.getpid()
@@ -254,6 +255,7 @@ class IgnoreCtrlC(WorkerPlugin):
     def setup(self, worker):
         if os.getpid() != self.client_pid and threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGINT, signal.SIG_IGN)
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
 @contextlib.contextmanager
@@ -272,7 +274,7 @@ def connect(address: str | None = None, security: Security | None = None, **clus
     cluster = make_cluster(security=security, **cluster_kwargs)
     try:
         with Client(cluster, timeout=CONNECT_TIMEOUT, security=security) as client:
-            client.register_plugin(IgnoreCtrlC())
+            client.register_plugin(IgnoreGroupStops())
             yield client
     finally:
         try:
