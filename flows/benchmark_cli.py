@@ -9,7 +9,7 @@ def cmd_benchmark(args) -> int:
     import math
 
     from flows import checks
-    from flows.cli import _embedded_defaults, fail, migrate_embedded_home
+    from flows.cli import _embedded_defaults, fail, migrate_embedded_home, start_embedded_server
 
     try:  # the cheap checks first: no import of JAX or Prefect for a typo
         checks.check_count("--env-steps", args.env_steps, example=100_000)
@@ -42,6 +42,7 @@ def cmd_benchmark(args) -> int:
     except ConfigError as e:
         return fail(e)
     migrate_embedded_home()
+    start_embedded_server()
     try:
         out = benchmark.marl_benchmark(suites=names, env_steps=args.env_steps, max_wall_s=args.max_wall_s,
                                        results_dir=args.results_dir, scheduler_address=args.scheduler,

@@ -326,11 +326,12 @@ def cmd_replay_reanalyze(args) -> int:
     except (StoreError, checks.InputError) as e:
         return _fail(e)
     _embedded_defaults()  # before prefect is imported
-    from flows.cli import fail, migrate_embedded_home, quiet_reported_failures
+    from flows.cli import fail, migrate_embedded_home, quiet_reported_failures, start_embedded_server
     from flows.reanalyze import marl_reanalyze
     from flows.training import StageError, stage_errors
 
     migrate_embedded_home()
+    start_embedded_server()
     quiet_reported_failures()
     try:  # an error inside a task: one line, its traceback in <run dir>/logs
         with stage_errors(args.run_dir or os.path.dirname(job["store"])):
