@@ -240,12 +240,15 @@ def _threads_cluster(n_workers, dashboard_address, threads_per_worker, memory_li
 
 
 class IgnoreGroupStops(WorkerPlugin):
-    """A local cluster's worker processes ignore SIGINT and SIGTERM. A terminal's Ctrl-C, and
-    the SIGTERM of `timeout`, Slurm or systemd, signal the run's whole process group, and these
-    workers are the run's to stop (their nannies close them as it exits, by message, else by
-    SIGKILL); else each dies first, with its own traceback or a nanny's restart above the
-    run's one line. A plugin, so workers that restart later ignore them too; a worker that is
-    a thread of this process (the threads cluster) leaves the process's handlers alone."""
+    """A local cluster's worker processes ignore SIGINT and put SIGTERM off. A terminal's
+    Ctrl-C, and the SIGTERM of `timeout`, Slurm or systemd, signal the run's whole process
+    group, and these workers are the run's to stop (their nannies close them as it exits, by
+    message, else by SIGKILL); else each dies first, with its own traceback or a nanny's
+    restart above the run's one line. A SIGTERM still ends a worker TERM_GRACE_S later
+    (SIGALRM's default action) should nothing close it first: multiprocessing's exit
+    SIGTERMs and then waits on its workers. A plugin, so workers that restart later do the
+    same; a worker that is a thread of this process (the threads cluster) leaves the
+    process's handlers alone."""
 
     name = "marl-ignore-group-stops"
 
@@ -255,7 +258,10 @@ class IgnoreGroupStops(WorkerPlugin):
     def setup(self, worker):
         if os.getpid() != self.client_pid and threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGINT, signal.SIG_IGN)
-            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+            signal.signal(signal.SIGTERM, lambda signum, frame: signal.alarm(TERM_GRACE_S))
+
+
+TERM_GRACE_S = 60
 
 
 @contextlib.contextmanager
