@@ -9,7 +9,8 @@ def cmd_benchmark(args) -> int:
     import math
 
     from flows import checks
-    from flows.cli import _embedded_defaults, fail, migrate_embedded_home, start_embedded_server
+    from flows.cli import (Terminated, _embedded_defaults, fail, migrate_embedded_home, quiet_reported_failures,
+                           start_embedded_server)
 
     try:  # the cheap checks first: no import of JAX or Prefect for a typo
         checks.check_count("--env-steps", args.env_steps, example=100_000)
@@ -43,12 +44,19 @@ def cmd_benchmark(args) -> int:
         return fail(e)
     migrate_embedded_home()
     start_embedded_server()
+    quiet_reported_failures()  # its crash lines too: a stop is said in the one line below
     try:
         out = benchmark.marl_benchmark(suites=names, env_steps=args.env_steps, max_wall_s=args.max_wall_s,
                                        results_dir=args.results_dir, scheduler_address=args.scheduler,
                                        n_workers=args.workers)
     except (ConfigError, RuntimeError, ValueError) as e:
         return fail(e, code=1)
+    except (KeyboardInterrupt, Terminated) as e:  # stopped from outside: one line, what was kept
+        how = "SIGTERM" if isinstance(e, Terminated) else "Ctrl-C"
+        results = os.path.join(args.results_dir, "results.csv")
+        return fail(f"benchmark stopped by {how}; {results} has a row for each entry finished before it, and "
+                    "the entry it was training is not in it (run the command again: each entry trains from scratch)",
+                    code=e.code if isinstance(e, Terminated) else 130)
     table = Table(title="marl-benchmark")
     for col in ("suite", "metric", "env steps", "previous", "score", "delta", "wall s", "status"):
         table.add_column(col, justify="right")
