@@ -10,7 +10,7 @@ def cmd_benchmark(args) -> int:
 
     from flows import checks
     from flows.cli import (Terminated, _embedded_defaults, fail, migrate_embedded_home, quiet_reported_failures,
-                           start_embedded_server)
+                           start_embedded_server, stopped_by)
 
     try:  # the cheap checks first: no import of JAX or Prefect for a typo
         checks.check_count("--env-steps", args.env_steps, example=100_000)
@@ -52,11 +52,11 @@ def cmd_benchmark(args) -> int:
     except (ConfigError, RuntimeError, ValueError) as e:
         return fail(e, code=1)
     except (KeyboardInterrupt, Terminated) as e:  # stopped from outside: one line, what was kept
-        how = "SIGTERM" if isinstance(e, Terminated) else "Ctrl-C"
+        how, code = stopped_by(e)
         results = os.path.join(args.results_dir, "results.csv")
         return fail(f"benchmark stopped by {how}; {results} has a row for each entry finished before it, and "
                     "the entry it was training is not in it (run the command again: each entry trains from scratch)",
-                    code=e.code if isinstance(e, Terminated) else 130)
+                    code)
     table = Table(title="marl-benchmark")
     for col in ("suite", "metric", "env steps", "previous", "score", "delta", "wall s", "status"):
         table.add_column(col, justify="right")

@@ -32,6 +32,11 @@ def _exit(signum, frame):
     raise Terminated(128 + signum)
 
 
+def stopped_by(stop: BaseException) -> tuple[str, int]:
+    """(how, exit code) of a run stopped from outside: Terminated or KeyboardInterrupt."""
+    return ("SIGTERM", stop.code) if isinstance(stop, Terminated) else ("Ctrl-C", 130)
+
+
 def _embedded_defaults(verbose: bool = False):
     """Prefect without a server (a temporary one in-process), its state under .prefect/;
     Prefect's and Dask's log lines only from warnings up, unless `verbose`. SIGTERM then
@@ -255,9 +260,8 @@ def cmd_train(args) -> int:
             return fail(e, code=1)
         except (KeyboardInterrupt, Terminated) as e:  # stopped from outside: one line, how to go on
             progress.stop()
-            how = "SIGTERM" if isinstance(e, Terminated) else "Ctrl-C"
-            return fail(f"stopped by {how}; the same command resumes from {config.run_dir}'s last checkpoint",
-                        code=e.code if isinstance(e, Terminated) else 130)
+            how, code = stopped_by(e)
+            return fail(f"stopped by {how}; the same command resumes from {config.run_dir}'s last checkpoint", code)
         finally:
             train_flow.ITERATION_HOOKS.remove(on_iteration)
     console.print(table)
