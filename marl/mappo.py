@@ -6,6 +6,9 @@ all agents, the critic being the difference between them:
     agent   (MAPPO)  the global state and the agent's own observation beside it (plus its
                      id): MAPPO's agent-specific global state, for values that follow what
                      each agent itself sees (its position, its targets, whether it is alive)
+    joint   (MAPPO)  every agent's observation, the agent's own first and the others in id
+                     order after it (plus its id): MAPPO's concatenated local observations,
+                     central like the state but in the agents' own relative terms
     local   (IPPO)   the critic sees only the agent's own observation (plus its id)
 
 Reads top to bottom:
@@ -53,7 +56,9 @@ from marl.learner import Learner
 
 @dataclasses.dataclass(frozen=True)
 class Config:
-    critic: str = "central"  # "central" (MAPPO: global state), "agent" (state + own obs) or "local" (IPPO: own obs)
+    # "central" (MAPPO: global state), "agent" (state + own obs), "joint" (every agent's obs,
+    # its own first) or "local" (IPPO: own obs)
+    critic: str = "central"
     recurrent: bool = False  # GRU actor; its hidden state is stored per step as `actor_h`
     hidden: int = 64
     activation: str = "tanh"  # "tanh" or "relu"
@@ -92,7 +97,7 @@ class Config:
     reward_shaping_horizon: int = 0
 
 
-CRITICS = ("central", "agent", "local")
+CRITICS = ("central", "agent", "joint", "local")
 SHAPING_NEEDS = ("reward_shaping_horizon={horizon} needs an env with a shaping term beside its reward "
                  "(jaxmarl:overcooked, jaxmarl:overcooked_v2, or smax:* with --set "
                  "env_kwargs='{{\"health_lost_shaping\": true}}') and {env} has none; drop the setting")
@@ -149,14 +154,15 @@ class Actor(nn.Module):
 class Critic(nn.Module):
     """What the critic sees + agent id -> Dense -> Dense -> one value per agent: the global
     state, the same for every agent (central, MAPPO), the state with the agent's own obs
-    beside it (agent), or the agent's own obs alone (local, IPPO); an image through a conv
-    encoder (a state's once per state, not per agent)."""
+    beside it (agent), every agent's obs with its own first (joint), or the agent's own obs
+    alone (local, IPPO); an image through a conv encoder (a state's once per state, not per
+    agent)."""
 
     hidden: int
     activation: str
     n_agents: int
     sees: str  # one of CRITICS
-    encoder: nn.Module | None = None  # an image state (central, agent) or image obs (local)
+    encoder: nn.Module | None = None  # an image state (central, agent) or image obs (joint, local)
     obs_encoder: nn.Module | None = None  # the agent critic's image obs
     layer_norm: bool = False
 
@@ -164,6 +170,11 @@ class Critic(nn.Module):
     def __call__(self, obs, state):  # [..., agent, obs] and [..., state] -> [..., agent]
         if self.sees == "local":
             x = encoders.encode(self.encoder, obs)
+        elif self.sees == "joint":
+            own = encoders.encode(self.encoder, obs)
+            # row i lists agents i, i+1, ..., i-1: each agent reads the team from its own place
+            order = (np.arange(self.n_agents)[:, None] + np.arange(self.n_agents)) % self.n_agents
+            x = own[..., order, :].reshape(*own.shape[:-2], self.n_agents, -1)
         else:
             shared = encoders.encode(self.encoder, state)
             x = jnp.broadcast_to(shared[..., None, :], (*shared.shape[:-1], self.n_agents, shared.shape[-1]))
@@ -249,7 +260,7 @@ def make_learner(spec: EnvSpec, config: Config):
     if config.critic not in CRITICS:
         raise ValueError(f"unknown critic {config.critic!r}; valid: {', '.join(CRITICS)} "
                          "(central = MAPPO, agent = MAPPO with each agent's obs beside the state, "
-                         "local = IPPO)")
+                         "joint = MAPPO on every agent's obs, local = IPPO)")
     if config.activation not in ACTIVATIONS:
         raise ValueError(f"unknown activation {config.activation!r}; valid: {', '.join(ACTIVATIONS)}")
     if config.reward_shaping_horizon > 0 and not spec.shaped_reward:
@@ -259,7 +270,7 @@ def make_learner(spec: EnvSpec, config: Config):
     n_out = spec.n_actions if discrete else spec.action_dim
     actor = Actor(config.hidden, n_out, config.activation, config.recurrent, not discrete,
                   config.log_std_init, encoders.for_image(spec.obs_shape), config.layer_norm)
-    local = config.critic == "local"
+    local = config.critic in ("joint", "local")  # a critic of observations, not of the state
     critic = Critic(config.hidden, config.activation, n_agents, config.critic,
                     encoders.for_image(spec.obs_shape if local else spec.state_shape),
                     encoders.for_image(spec.obs_shape) if config.critic == "agent" else None,

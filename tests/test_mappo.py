@@ -173,7 +173,8 @@ def test_the_agent_critic_sees_each_agents_own_obs_beside_the_state(feed_forward
     """critic="agent" (MAPPO's agent-specific global state): agent 0's value follows agent
     0's own observation at a fixed state, which the central critic never sees; it trains."""
     _, _, _, data, seq = feed_forward
-    for sees, follows in (("central", [False, False, False]), ("agent", [True, False, False])):
+    for sees, follows in (("central", [False, False, False]), ("agent", [True, False, False]),
+                          ("joint", [True, True, True])):
         _, learner = make("mappo", "mpe:simple_spread", critic=sees)
         state = learner.init(jax.random.PRNGKey(0))
         value = lambda obs: learner.mixer.apply(state["params"]["critic"], obs, seq["state"])
@@ -184,6 +185,23 @@ def test_the_agent_critic_sees_each_agents_own_obs_beside_the_state(feed_forward
     before, parts_before = loss(state["params"], state, seq)
     after, parts_after = loss(trained["params"], state, seq)
     assert float(parts_after["value_loss"]) < float(parts_before["value_loss"]) and float(after) < float(before)
+
+
+def test_the_joint_critic_reads_every_agents_obs_from_the_agents_own_place(feed_forward):
+    """critic="joint" (MAPPO on every agent's observation): the state is not read, and each
+    agent's row starts with its own observation. With the first layer kept only for that
+    leading block, moving agent 1's observation moves agent 1's value alone."""
+    _, _, _, data, seq = feed_forward
+    _, learner = make("mappo", "mpe:simple_spread", critic="joint")
+    params = learner.init(jax.random.PRNGKey(0))["params"]["critic"]
+    value = lambda p, obs, state: learner.mixer.apply(p, obs, state)
+    assert bool(jnp.all(value(params, seq["obs"], seq["state"] + 1.0) == value(params, seq["obs"], seq["state"])))
+    obs_dim = seq["obs"].shape[-1]
+    kernel = params["params"]["Dense_0"]["kernel"]  # [3 agents' obs + 3 ids, hidden]
+    own_only = jax.tree.map(lambda x: x, params)
+    own_only["params"]["Dense_0"]["kernel"] = kernel.at[obs_dim:].set(0.0)
+    moved = value(own_only, seq["obs"].at[..., 1, :].add(1.0), seq["state"]) != value(own_only, seq["obs"], seq["state"])
+    assert [bool(m) for m in jnp.any(moved, axis=(0, 1))] == [False, True, False]
 
 
 def test_the_decoupled_clip_follows_the_policy_lag_unless_set():
@@ -289,7 +307,7 @@ def test_pettingzoo_collector_feeds_the_learner(feed_forward):
 
 def test_bad_settings_are_refused(feed_forward):
     env, _, state, data, _ = feed_forward
-    with pytest.raises(ValueError, match="critic='global' is not one of central, agent, local"):
+    with pytest.raises(ValueError, match="critic='global' is not one of central, agent, joint, local"):
         algos.config_for("mappo", {"critic": "global"})
     _, learner = make("mappo", "mpe:simple_spread", minibatches=3)
     with pytest.raises(ValueError, match="minibatches=3 does not divide the 8 env sequences"):
