@@ -1,7 +1,11 @@
-"""Shared, real fixtures: one Prefect test server and one 2-worker LocalCluster per session."""
+"""Shared, real fixtures: one Prefect test server and one 2-worker LocalCluster per session,
+and `marl` started as a user starts it, for the tests that stop it from outside."""
 
 import os
+import subprocess
+import sys
 import tempfile
+import time
 
 _TMP = tempfile.mkdtemp(prefix="marl-tests-")
 # before anything imports prefect or jax: own Prefect home, shared JAX compile cache
@@ -34,3 +38,24 @@ def dask_cluster():
 
     with make_cluster(n_workers=2, kind="cpu", dashboard_address="127.0.0.1:0") as cluster:
         yield cluster
+
+
+@pytest.fixture
+def embedded_marl(tmp_path):
+    """start(*args, ready=..., **popen): `marl ARGS` in a subprocess on embedded Prefect (its
+    own temporary server, in a fresh Prefect home), returned once `ready(run)` holds while it
+    runs; stderr piped, stdout dropped, popen's keywords (its own session, ...) passed on."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_API_", "PREFECT_SERVER_DATABASE"))}
+    env["PREFECT_HOME"] = str(tmp_path / "prefect")
+    marl = os.path.join(os.path.dirname(sys.executable), "marl")
+
+    def start(*args, ready, **popen):
+        run = subprocess.Popen([marl, *args], env=env, cwd=tmp_path, stdout=subprocess.DEVNULL,
+                               stderr=subprocess.PIPE, **popen)
+        deadline = time.time() + 300
+        while run.poll() is None and time.time() < deadline and not ready(run):
+            time.sleep(0.2)
+        assert run.poll() is None, f"`marl {args[0]}` ended before it was stopped: {run.stderr.read()}"
+        return run
+
+    return start

@@ -103,29 +103,18 @@ def test_unknown_suite_is_refused_before_anything_runs(capsys):
     assert exit_.value.code == 0 and "--env-steps" in capsys.readouterr().out
 
 
-def test_a_sigtermed_marl_benchmark_says_in_one_line_what_it_kept(tmp_path, dask_cluster):
+def test_a_sigtermed_marl_benchmark_says_in_one_line_what_it_kept(tmp_path, dask_cluster, embedded_marl):
     """SIGTERM to the whole `marl benchmark` process group mid-entry (`timeout`'s stop of a
     scheduled benchmark), on embedded Prefect: exit 143 and one line saying that the entry in
     training has no row, no traceback, no Prefect crash lines, and nothing of it left running."""
     import signal
-    import subprocess
-    import sys
-    import time
 
     import psutil
 
     results_dir = tmp_path / "bench"
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_API_", "PREFECT_SERVER_DATABASE"))}
-    env["PREFECT_HOME"] = str(tmp_path / "prefect")
-    command = [os.path.join(os.path.dirname(sys.executable), "marl"), "benchmark", "--suites", SUITE,
-               "--env-steps", str(64 * 512), "--results-dir", str(results_dir),
-               "--scheduler", dask_cluster.scheduler_address]
-    run = subprocess.Popen(command, env=env, cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                           start_new_session=True)
-    deadline = time.time() + 300
-    while run.poll() is None and time.time() < deadline and not list(results_dir.glob("runs/*/*/metrics.csv")):
-        time.sleep(0.2)
-    assert run.poll() is None, f"the benchmark ended before it was stopped: {run.stderr.read()}"
+    run = embedded_marl("benchmark", "--suites", SUITE, "--env-steps", str(64 * 512), "--results-dir", str(results_dir),
+                        "--scheduler", dask_cluster.scheduler_address, start_new_session=True,
+                        ready=lambda run: bool(list(results_dir.glob("runs/*/*/metrics.csv"))))
     left = [psutil.Process(run.pid), *psutil.Process(run.pid).children(recursive=True)]
     os.killpg(run.pid, signal.SIGTERM)
     code = run.wait(timeout=120)

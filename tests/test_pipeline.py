@@ -180,27 +180,15 @@ def test_a_killed_marl_train_process_resumes_with_every_region_once(tmp_path, pr
     assert int(meta["iteration"]) == iterations and int(state["updates"]) == iterations * per_iteration
 
 
-def _embedded_train_running(tmp_path, run_dir, *args, ready=lambda run: True, **popen):
-    """`marl train` of TINY in a subprocess on embedded Prefect (its own temporary server, a
-    fresh home), once it has written metrics.csv and `ready(run)` holds; stderr piped."""
-    import subprocess
-    import sys
-    import time
-
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_API_", "PREFECT_SERVER_DATABASE"))}
-    env["PREFECT_HOME"] = str(tmp_path / "prefect")
-    command = [os.path.join(os.path.dirname(sys.executable), "marl"), "train", TINY, "--run-dir", str(run_dir),
-               "--env-steps", str(64 * 512), "--quiet", *args]
-    run = subprocess.Popen(command, env=env, cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, **popen)
-    deadline = time.time() + 300
-    while run.poll() is None and time.time() < deadline and not ((run_dir / "metrics.csv").exists() and ready(run)):
-        time.sleep(0.2)
-    assert run.poll() is None, f"the run ended before it was stopped: {run.stderr.read()}"
-    return run
+def _train_running(embedded_marl, run_dir, *args, ready=lambda run: True, **popen):
+    """`marl train` of TINY on embedded Prefect, once it has written metrics.csv and `ready(run)` holds."""
+    return embedded_marl("train", TINY, "--run-dir", str(run_dir), "--env-steps", str(64 * 512), "--quiet", *args,
+                         ready=lambda run: (run_dir / "metrics.csv").exists() and ready(run), **popen)
 
 
 @pytest.mark.parametrize("how, cluster", [("SIGTERM", "local"), ("SIGKILL", "scheduler")])
-def test_a_stop_signalled_to_marl_train_s_group_takes_its_prefect_server_with_it(tmp_path, dask_cluster, how, cluster):
+def test_a_stop_signalled_to_marl_train_s_group_takes_its_prefect_server_with_it(tmp_path, dask_cluster, embedded_marl,
+                                                                                  how, cluster):
     """SIGTERM to the whole `marl train` process group mid-run, as `timeout`, Slurm and systemd
     send it: the run exits 143 with the one line saying how to resume (its temporary Prefect
     server, in a group of its own, outlives the signal to record the stop; in the run's group
@@ -214,8 +202,8 @@ def test_a_stop_signalled_to_marl_train_s_group_takes_its_prefect_server_with_it
     servers = lambda run: [p for p in psutil.Process(run.pid).children(recursive=True)
                            if "prefect.server.api.server" in " ".join(p.cmdline())]
     scheduler = ["--scheduler", dask_cluster.scheduler_address] if cluster == "scheduler" else []
-    run = _embedded_train_running(tmp_path, run_dir, *scheduler, ready=lambda run: bool(servers(run)),
-                                  start_new_session=True)
+    run = _train_running(embedded_marl, run_dir, *scheduler, ready=lambda run: bool(servers(run)),
+                         start_new_session=True)
     left = [psutil.Process(run.pid), *psutil.Process(run.pid).children(recursive=True)]
     os.killpg(run.pid, getattr(signal, how))
     code = run.wait(timeout=120)
@@ -229,7 +217,7 @@ def test_a_stop_signalled_to_marl_train_s_group_takes_its_prefect_server_with_it
 
 
 @pytest.mark.parametrize("cluster", ["scheduler", "local"])
-def test_a_ctrl_c_to_marl_train_stops_it_with_one_line(tmp_path, dask_cluster, cluster):
+def test_a_ctrl_c_to_marl_train_stops_it_with_one_line(tmp_path, dask_cluster, embedded_marl, cluster):
     """Ctrl-C in a terminal signals the whole foreground process group: the run, Prefect's
     temporary server and, on the embedded default, the local cluster's workers. The run still
     exits 130 with the one line saying how to resume; its server outlives the signal to
@@ -244,8 +232,8 @@ def test_a_ctrl_c_to_marl_train_stops_it_with_one_line(tmp_path, dask_cluster, c
     scheduler = ["--scheduler", dask_cluster.scheduler_address] if cluster == "scheduler" else []
     # its own group with SIGINT at its default, as a terminal's foreground job (pytest started
     # as a background job of a shell without job control would hand it SIGINT ignored)
-    run = _embedded_train_running(tmp_path, run_dir, *scheduler, start_new_session=True,
-                                  preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    run = _train_running(embedded_marl, run_dir, *scheduler, start_new_session=True,
+                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     group = [psutil.Process(run.pid), *psutil.Process(run.pid).children(recursive=True)]
     os.killpg(run.pid, signal.SIGINT)
     try:
