@@ -244,6 +244,15 @@ def gae(reward, terminated, cut, value, gamma: float, lam: float):
     return adv, adv + value[:, :-1]
 
 
+def explained_variance(target, prediction, weight):
+    """1 - Var(target - prediction) / Var(target) over the steps `weight` keeps: how much of
+    the value targets' spread the critic that acted explains (1: all of it; 0: no more than
+    their mean would; below 0: worse), the critic's health in one number."""
+    total = jnp.maximum(weight.sum(), 1.0)
+    var = lambda x: jnp.sum(weight * (x - jnp.sum(weight * x) / total) ** 2) / total
+    return 1.0 - var(target - prediction) / jnp.maximum(var(target), 1e-8)
+
+
 # ---------------------------------------------------------------------- reward shaping
 
 
@@ -530,6 +539,8 @@ def make_learner(spec: EnvSpec, config: Config):
         train_state, metrics = jax.lax.scan(epoch, train_state, None, config.epochs)
         metrics = jax.tree.map(jnp.mean, metrics)
         metrics["value"] = batch["value_old"].mean()
+        metrics["explained_variance"] = explained_variance(
+            batch["target"], batch["value_old"], jnp.broadcast_to(batch["weight"][..., None], batch["target"].shape))
         if config.value_norm:  # on the return's scale
             mean, std = value_moments(value_stats)
             metrics["value"] = metrics["value"] * std + mean

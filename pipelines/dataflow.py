@@ -420,6 +420,9 @@ class Dataflow:
                "learner_busy": min(1.0, m["train_s"] / interval),
                "collector_busy": min(1.0, collect_s / (n_collector_workers * interval)),
                "policy_lag": _mean(m["lags"]), "policy_lag_max": max(m["lags"])}
+        # the rest of what the learner reported (a PPO's entropy, KL and explained variance, a
+        # Q-learner's TD error and grad norm), grouped under train/ in TensorBoard and the rest
+        row.update({f"train/{k}": v for k, v in m.get("learner", {}).items() if k not in row})
         if it.evaluated is not None:
             self._attach(row, it.evaluated)
             self.final_eval = it.evaluated

@@ -204,6 +204,19 @@ def test_the_joint_critic_reads_every_agents_obs_from_the_agents_own_place(feed_
     assert [bool(m) for m in jnp.any(moved, axis=(0, 1))] == [False, True, False]
 
 
+def test_explained_variance_reads_how_much_of_the_targets_spread_a_prediction_explains(feed_forward):
+    target = jnp.array([[1.0, 2.0, 3.0, 40.0]])
+    keep = jnp.array([[1.0, 1.0, 1.0, 0.0]])  # the last step cut: left out
+    assert float(mappo.explained_variance(target, target, keep)) == pytest.approx(1.0)
+    assert float(mappo.explained_variance(target, jnp.full_like(target, 2.0), keep)) == pytest.approx(0.0)
+    assert float(mappo.explained_variance(target, target + jnp.array([[1.0, -1.0, 1.0, 0.0]]), keep)) < 0.0
+    # a train call reports it of the critic that acted, beside its losses
+    _, learner, _, data, _ = feed_forward
+    _, metrics = learner.train(learner.init(jax.random.PRNGKey(0)), region(data), jnp.ones(1, bool), 1)
+    assert {"explained_variance", "entropy", "approx_kl", "value_loss"} <= set(metrics)
+    assert float(metrics["explained_variance"]) <= 1.0
+
+
 def test_the_decoupled_clip_follows_the_policy_lag_unless_set():
     decoupled = lambda preset, **o: getattr(make_run_config(preset, overrides=o).algo_config(), "decoupled_clip", None)
     assert decoupled("mappo-mpe") is False and decoupled("ippo-mpe", max_policy_lag="1") is True

@@ -331,4 +331,8 @@ runpy.run_path("bench/smax_maps.py")  # its imports, not its main
     assert "iterations 2 env_steps 1024" in done.stdout
     rows = (run_dir / "metrics.csv").read_text().splitlines()
     assert rows[0].startswith("iteration,env_steps") and len(rows) == 3
+    # beside the loss, the rest of what the learner reported, under train/
+    header = rows[0].split(",")
+    assert {"loss", "train/q_tot", "train/td_abs", "train/grad_norm", "train/lr"} <= set(header), header
+    assert "train/loss" not in header
     assert os.listdir(run_dir / "checkpoints")
