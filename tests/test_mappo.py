@@ -350,3 +350,23 @@ def test_tiny_mappo_run_through_the_pipeline(tmp_path, prefect_server, dask_clus
         checkpoints.close()
     assert np.isfinite(result["history"][-1]["loss"])
     assert result["final_eval"]["episodes"] == config.eval_episodes
+
+
+def test_the_critic_probe_reads_a_saved_run_s_critic_on_fresh_data(tmp_path, dask_cluster, monkeypatch, capsys):
+    """bench/mappo_critic_probe.py on a real saved run (2 seeds): one row per run, with the
+    critic's explained variance and the share of the advantages' variance across agents."""
+    import runpy
+    import sys
+
+    from flows.training import run_training
+
+    run_dir = str(tmp_path / "run")
+    config = make_run_config("mappo-mpe-tiny", run_dir=run_dir, overrides={"n_seeds": "2"})
+    run_training(config, scheduler_address=dask_cluster.scheduler_address)
+    monkeypatch.setattr(sys, "argv", ["mappo_critic_probe.py", run_dir, "--regions", "1"])
+    runpy.run_path("bench/mappo_critic_probe.py", run_name="__main__")
+    rows = [line.split("|")[1:-1] for line in capsys.readouterr().out.splitlines() if line.startswith(f"| {run_dir}")]
+    assert len(rows) == 1 and rows[0][1].strip() == "central" and rows[0][2].strip() == "1,024"
+    explained = float(rows[0][3].split("±")[0])
+    across = float(rows[0][6])
+    assert explained <= 1.0 and 0.0 <= across <= 1.0
