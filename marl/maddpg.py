@@ -293,10 +293,10 @@ def make_learner(spec: EnvSpec, config: Config):
     def policy_params(train_state):
         return train_state["params"]["actor"]
 
+    noise_std = optax.linear_schedule(config.noise_start, config.noise_end, config.noise_decay_steps)
+
     def exploration(env_steps):
-        frac = jnp.clip(env_steps / config.noise_decay_steps, 0.0, 1.0)
-        std = config.noise_start + frac * (config.noise_end - config.noise_start)
-        return {"noise_std": jnp.float32(std), "sample": jnp.float32(1.0)}
+        return {"noise_std": jnp.float32(noise_std(env_steps)), "sample": jnp.float32(1.0)}
 
     greedy = {"noise_std": jnp.float32(0.0), "sample": jnp.float32(0.0)}
 

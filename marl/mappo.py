@@ -286,11 +286,10 @@ def make_learner(spec: EnvSpec, config: Config):
                     config.layer_norm)
     updates_per_call = config.epochs * config.minibatches
 
-    def lr_schedule(count):
+    def lr_schedule(count):  # linear to 0 over anneal_lr_iterations train calls (whole calls of updates)
         if config.anneal_lr_iterations <= 0:
             return config.lr
-        done_calls = count // updates_per_call
-        return config.lr * jnp.maximum(0.0, 1.0 - done_calls / config.anneal_lr_iterations)
+        return optax.linear_schedule(config.lr, 0.0, config.anneal_lr_iterations)(count // updates_per_call)
 
     def optimizer():
         return optax.chain(optax.clip_by_global_norm(config.max_grad_norm),

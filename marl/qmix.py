@@ -218,9 +218,10 @@ def make_learner(spec: EnvSpec, config: Config):
     def policy_params(train_state):
         return train_state["params"]["agent"]
 
+    epsilon = optax.linear_schedule(config.eps_start, config.eps_end, config.eps_decay_steps)
+
     def exploration(env_steps):
-        frac = jnp.clip(env_steps / config.eps_decay_steps, 0.0, 1.0)
-        return {"epsilon": jnp.float32(config.eps_start + frac * (config.eps_end - config.eps_start))}
+        return {"epsilon": jnp.float32(epsilon(env_steps))}
 
     greedy = {"epsilon": jnp.float32(0.0)}
 

@@ -82,6 +82,18 @@ def test_qmix_lr_anneals_to_zero_over_its_iterations_and_stays_constant_by_defau
     assert lrs[2] == pytest.approx([config.lr * 13 / 16, config.lr * 5 / 16, 0.0], abs=1e-9)
 
 
+@pytest.mark.parametrize("algo, env_id, settings, read", [
+    ("qmix", "smax:3m", {"eps_start": 1.0, "eps_end": 0.05, "eps_decay_steps": 1000}, "epsilon"),
+    ("maddpg", "mpe:simple_spread", {"noise_start": 0.5, "noise_end": 0.1, "noise_decay_steps": 1000}, "noise_std"),
+])
+def test_exploration_falls_linearly_over_its_env_steps_then_holds(algo, env_id, settings, read):
+    env = envs.make(env_id)
+    learner = algos.make_learner(algo, env.spec, algos.config_for(algo, settings))
+    start, end = list(settings.values())[:2]
+    got = [float(learner.exploration(jnp.float32(steps))[read]) for steps in (0, 250, 1000, 10**7)]
+    assert got == pytest.approx([start, start + 0.25 * (end - start), end, end])
+
+
 def test_seeds_split_and_join_envs_in_blocks():
     x = jnp.arange(2 * 3 * 6).reshape(2, 6, 3)  # [T, S*N, ...] with S=3, N=2
     split = seeds.split_envs(x, 3, axis=1)

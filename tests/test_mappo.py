@@ -217,6 +217,16 @@ def test_explained_variance_reads_how_much_of_the_targets_spread_a_prediction_ex
     assert float(metrics["explained_variance"]) <= 1.0
 
 
+def test_the_lr_anneals_linearly_to_zero_over_its_train_calls(feed_forward):
+    _, _, _, data, _ = feed_forward
+    _, learner = make("mappo", "mpe:simple_spread", lr=1e-3, anneal_lr_iterations=4)
+    state, lrs = learner.init(jax.random.PRNGKey(0)), []
+    for _ in range(5):  # the lr the next call's updates take, after each call
+        state, metrics = learner.train(state, region(data), jnp.ones(1, bool), 1)
+        lrs.append(float(metrics["lr"]))
+    assert lrs == pytest.approx([7.5e-4, 5e-4, 2.5e-4, 0.0, 0.0], abs=1e-9)
+
+
 def test_the_decoupled_clip_follows_the_policy_lag_unless_set():
     decoupled = lambda preset, **o: getattr(make_run_config(preset, overrides=o).algo_config(), "decoupled_clip", None)
     assert decoupled("mappo-mpe") is False and decoupled("ippo-mpe", max_policy_lag="1") is True
