@@ -28,8 +28,18 @@ class Terminated(SystemExit):
     """SIGTERM, as an exit: 128 + 15."""
 
 
+# set once a stop from outside (SIGTERM, Ctrl-C) has begun: what is lost in closing is expected
+STOPPING = threading.Event()
+
+
 def _exit(signum, frame):
+    STOPPING.set()
     raise Terminated(128 + signum)
+
+
+def _interrupt(signum, frame):
+    STOPPING.set()
+    raise KeyboardInterrupt
 
 
 def stopped_by(stop: BaseException) -> tuple[str, int]:
@@ -45,6 +55,8 @@ def _embedded_defaults(verbose: bool = False):
     while a run is on to mark it Crashed, hands the signal on to this handler."""
     if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:
         signal.signal(signal.SIGTERM, _exit)  # Ctrl-C (KeyboardInterrupt) leaves the same way
+    if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+        signal.signal(signal.SIGINT, _interrupt)  # Python's own, and noting the stop
     os.environ.setdefault("PREFECT_HOME", os.path.abspath(".prefect"))
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "90")
@@ -58,6 +70,10 @@ def _embedded_defaults(verbose: bool = False):
         # and its nanny's note when a worker takes over 4 s to exit as the local cluster closes
         logging.getLogger("distributed.nanny").addFilter(
             lambda record: not str(record.msg).startswith("Worker process still alive after"))
+        # and the scheduler's, as a stopped run's cluster closes, that its workers held results
+        # still wanted (the run's stages in flight, which the resumed run does again)
+        logging.getLogger("distributed.scheduler").addFilter(
+            lambda record: not (STOPPING.is_set() and "caused the cluster to lose already computed" in str(record.msg)))
 
 
 def migrate_embedded_home() -> None:

@@ -210,10 +210,43 @@ def test_a_stop_signalled_to_marl_train_s_group_takes_its_prefect_server_with_it
     err = run.stderr.read().decode()
     if how == "SIGTERM":
         assert code == 128 + signal.SIGTERM and "Traceback" not in err and "Restarting worker" not in err, err[-3000:]
+        assert "caused the cluster to lose" not in err, err[-3000:]  # the closing cluster's lost results
         assert err.strip().splitlines()[-1] == \
             f"marl: stopped by SIGTERM; the same command resumes from {run_dir}'s last checkpoint"
     _, alive = psutil.wait_procs(left, timeout=30)
     assert not alive, f"left running after the run: {[p.cmdline()[:3] for p in alive]}"
+
+
+def test_once_stopped_the_closing_cluster_s_lost_results_are_not_reported():
+    """The scheduler's warning that removing a worker lost computed results is shown while a
+    run goes on (a worker died), and dropped once SIGTERM or Ctrl-C has stopped the run: its
+    cluster then closes with stages in flight, which the resumed run does again."""
+    import subprocess
+    import sys
+
+    script = """
+import logging, os, signal
+import distributed  # its log format, as in a run
+from flows import cli
+cli._embedded_defaults()
+log = logging.getLogger("distributed.scheduler")
+lost = "Removing worker 'tcp://127.0.0.1:1' caused the cluster to lose already computed task(s), which will be recomputed elsewhere: {'train-1'}"
+log.warning(lost + " (running)")
+for sig, stop in ((signal.SIGINT, KeyboardInterrupt), (signal.SIGTERM, cli.Terminated)):
+    cli.STOPPING.clear()
+    try:
+        os.kill(os.getpid(), sig)
+    except stop:
+        log.warning(lost + f" (after {sig.name})")
+        log.warning(f"another warning after {sig.name}")
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    lost_note = ("Removing worker 'tcp://127.0.0.1:1' caused the cluster to lose already computed task(s), "
+                 "which will be recomputed elsewhere: {'train-1'}")
+    shown = [line.split(" - ")[-1] for line in done.stderr.splitlines() if "distributed.scheduler" in line]
+    assert shown == [lost_note + " (running)", "another warning after SIGINT", "another warning after SIGTERM"], \
+        done.stderr[-3000:]
 
 
 @pytest.mark.parametrize("cluster", ["scheduler", "local"])
@@ -243,6 +276,7 @@ def test_a_ctrl_c_to_marl_train_stops_it_with_one_line(tmp_path, dask_cluster, e
         pytest.fail(f"no exit 120 s after Ctrl-C: {run.stderr.read().decode()[-3000:]}")
     err = run.stderr.read().decode()
     assert code == 130 and "Traceback" not in err and "CancelledError" not in err, err[-3000:]
+    assert "caused the cluster to lose" not in err, err[-3000:]
     assert err.strip().splitlines()[-1] == f"marl: stopped by Ctrl-C; the same command resumes from {run_dir}'s last checkpoint"
     _, alive = psutil.wait_procs(group, timeout=30)
     assert not alive, f"left running after the run: {[p.cmdline()[:3] for p in alive]}"
