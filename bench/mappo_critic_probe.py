@@ -29,10 +29,10 @@ from marl import mappo, rollout, transition
 from pipelines.saved_run import load_run, seed_params
 
 
-def advantage_split(learner, train_state, seq) -> tuple[float, float]:
-    """(share of the advantages' variance across the live agents of a step, share between
-    the steps' means), over steps with a target and agents with a choice (SMAX's dead units
-    have one action; active masks leave their values untrained, so they would count noise)."""
+def advantage_share_across_agents(learner, train_state, seq) -> float:
+    """The share of the advantages' variance across the live agents of a step (the rest is
+    between the steps' means), over steps with a target and agents with a choice (SMAX's dead
+    units have one action; active masks leave their values untrained, so they would count noise)."""
     value = learner.score(train_state, seq)["value"][0]  # [N, T, agent], on the return's scale
     cut = transition.cut(seq)
     adv, _ = mappo.gae(seq["reward"][:, :-1], seq["terminated"][:, :-1], cut, value,
@@ -44,7 +44,7 @@ def advantage_split(learner, train_state, seq) -> tuple[float, float]:
     step_mean = (adv * live).sum(1) / n
     within = ((adv - step_mean[:, None]) ** 2 * live).sum() / live.sum()
     total = ((adv - (adv * live).sum() / live.sum()) ** 2 * live).sum() / live.sum()
-    return float(within / total), float(1.0 - within / total)
+    return float(within / total)
 
 
 def probe(run_dir: str, regions: int) -> dict[str, float]:
@@ -64,10 +64,9 @@ def probe(run_dir: str, regions: int) -> dict[str, float]:
             rstate, data, _ = collect(params, rstate, explore)
             _, metrics = learner.train(train_state, {k: v[None] for k, v in data.items()}, jnp.ones(1, bool), 1)
             seq = {k: jnp.swapaxes(v, 0, 1) for k, v in data.items()}  # [N, T, ...]
-            within, between = advantage_split(learner, train_state, seq)
             rows.append({"explained_variance": float(metrics["explained_variance"]),
                          "value_loss": float(metrics["value_loss"]), "entropy": float(metrics["entropy"]),
-                         "adv_within_step": within, "adv_between_steps": between})
+                         "adv_within_step": advantage_share_across_agents(learner, train_state, seq)})
     return {"critic": learner.config.critic, "env_steps": int(run.meta.get("env_steps", 0)),
             **{k: float(np.mean([r[k] for r in rows])) for k in rows[0]},
             "explained_variance_std": float(np.std([r["explained_variance"] for r in rows]))}
@@ -79,13 +78,13 @@ def main():
     parser.add_argument("--regions", type=int, default=4, help="fresh regions per seed")
     args = parser.parse_args()
     print("| run | critic | env steps | explained variance (± std over regions) | value loss | entropy "
-          "| advantage variance across a step's agents | between steps |")
-    print("|---|---|---:|---:|---:|---:|---:|---:|")
+          "| advantage variance across a step's agents (share) |")
+    print("|---|---|---:|---:|---:|---:|---:|")
     for run_dir in args.run_dirs:
         p = probe(run_dir, args.regions)
         print(f"| {run_dir} | {p['critic']} | {p['env_steps']:,} | {p['explained_variance']:.3f} ± "
               f"{p['explained_variance_std']:.3f} | {p['value_loss']:.4f} | {p['entropy']:.3f} "
-              f"| {p['adv_within_step']:.2f} | {p['adv_between_steps']:.2f} |", flush=True)
+              f"| {p['adv_within_step']:.2f} |", flush=True)
 
 
 if __name__ == "__main__":

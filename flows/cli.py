@@ -53,10 +53,11 @@ def _embedded_defaults(verbose: bool = False):
     leaves through Python's exit, whose atexit hooks stop that server (a subprocess, else left
     running without a parent) and the local cluster; Prefect's flow engine, which holds SIGTERM
     while a run is on to mark it Crashed, hands the signal on to this handler."""
-    if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:
-        signal.signal(signal.SIGTERM, _exit)  # Ctrl-C (KeyboardInterrupt) leaves the same way
-    if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGINT) is signal.default_int_handler:
-        signal.signal(signal.SIGINT, _interrupt)  # Python's own, and noting the stop
+    if threading.current_thread() is threading.main_thread():
+        if signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:
+            signal.signal(signal.SIGTERM, _exit)  # Ctrl-C (KeyboardInterrupt) leaves the same way
+        if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+            signal.signal(signal.SIGINT, _interrupt)  # Python's own, and noting the stop
     os.environ.setdefault("PREFECT_HOME", os.path.abspath(".prefect"))
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "90")

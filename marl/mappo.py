@@ -279,17 +279,19 @@ def make_learner(spec: EnvSpec, config: Config):
     n_out = spec.n_actions if discrete else spec.action_dim
     actor = Actor(config.hidden, n_out, config.activation, config.recurrent, not discrete,
                   config.log_std_init, encoders.for_image(spec.obs_shape), config.layer_norm)
-    local = config.critic in ("joint", "local")  # a critic of observations, not of the state
+    sees_obs = config.critic in ("joint", "local")  # a critic of observations, not of the state
     critic = Critic(config.hidden, config.activation, n_agents, config.critic,
-                    encoders.for_image(spec.obs_shape if local else spec.state_shape),
+                    encoders.for_image(spec.obs_shape if sees_obs else spec.state_shape),
                     encoders.for_image(spec.obs_shape) if config.critic == "agent" else None,
                     config.layer_norm)
     updates_per_call = config.epochs * config.minibatches
 
-    def lr_schedule(count):  # linear to 0 over anneal_lr_iterations train calls (whole calls of updates)
-        if config.anneal_lr_iterations <= 0:
-            return config.lr
-        return optax.linear_schedule(config.lr, 0.0, config.anneal_lr_iterations)(count // updates_per_call)
+    # linear to 0 over anneal_lr_iterations train calls, one lr for all the updates of a call
+    lr_decay = (optax.linear_schedule(config.lr, 0.0, config.anneal_lr_iterations)
+                if config.anneal_lr_iterations > 0 else None)
+
+    def lr_schedule(count):
+        return config.lr if lr_decay is None else lr_decay(count // updates_per_call)
 
     def optimizer():
         return optax.chain(optax.clip_by_global_norm(config.max_grad_norm),

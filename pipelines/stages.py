@@ -620,7 +620,8 @@ def train(config, iteration: int, env_steps: int, checkpoint: bool, collected: l
     stats = [{k: v for k, v in c.items() if k != "data"} for c in collected]
     return {"params": params, "param_version": version + 1,
             # `learner`: what the learner reported of its updates (losses, entropy, ...), for the metrics rows
-            "metrics": {**metrics, "learner": {k: v for k, v in metrics.items() if k != "teams"}, "updates": n_updates, "total_updates": state.meta["updates"],
+            "metrics": {**metrics, "learner": {k: v for k, v in metrics.items() if k != "teams"},
+                        "updates": n_updates, "total_updates": state.meta["updates"],
                         "collected": stats, "lags": lags, "read_s": read - started, "update_s": updated - read,
                         "publish_s": published - updated, "checkpoint_s": time.perf_counter() - published,
                         "train_s": time.perf_counter() - started}}

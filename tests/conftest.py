@@ -41,16 +41,22 @@ def dask_cluster():
 
 
 @pytest.fixture
-def embedded_marl(tmp_path):
+def embedded_env(tmp_path):
+    """A subprocess environment for embedded Prefect, as on a user's machine: no server or
+    database from the test session, and a fresh Prefect home, tmp_path/prefect."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_API_", "PREFECT_SERVER_DATABASE"))}
+    return {**env, "PREFECT_HOME": str(tmp_path / "prefect")}
+
+
+@pytest.fixture
+def embedded_marl(tmp_path, embedded_env):
     """start(*args, ready=..., **popen): `marl ARGS` in a subprocess on embedded Prefect (its
     own temporary server, in a fresh Prefect home), returned once `ready(run)` holds while it
     runs; stderr piped, stdout dropped, popen's keywords (its own session, ...) passed on."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_API_", "PREFECT_SERVER_DATABASE"))}
-    env["PREFECT_HOME"] = str(tmp_path / "prefect")
     marl = os.path.join(os.path.dirname(sys.executable), "marl")
 
     def start(*args, ready, **popen):
-        run = subprocess.Popen([marl, *args], env=env, cwd=tmp_path, stdout=subprocess.DEVNULL,
+        run = subprocess.Popen([marl, *args], env=embedded_env, cwd=tmp_path, stdout=subprocess.DEVNULL,
                                stderr=subprocess.PIPE, **popen)
         deadline = time.time() + 300
         while run.poll() is None and time.time() < deadline and not ready(run):

@@ -320,7 +320,7 @@ def test_cli_trains_and_reports_paths(tmp_path, prefect_server, dask_cluster, ca
     assert "unknown preset 'no-such-preset'" in capsys.readouterr().err
 
 
-def test_runs_started_together_on_a_fresh_prefect_home_create_its_database_once(tmp_path):
+def test_runs_started_together_on_a_fresh_prefect_home_create_its_database_once(tmp_path, embedded_env):
     """Two processes that start embedded runs at once on a new home: one creates the
     database under the home's lock, the other finds it made (each migrating it at once
     failed one run's temporary server)."""
@@ -328,11 +328,9 @@ def test_runs_started_together_on_a_fresh_prefect_home_create_its_database_once(
     import subprocess
     import sys
 
-    home = tmp_path / "prefect"
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_API_", "PREFECT_SERVER_DATABASE"))}
-    env["PREFECT_HOME"] = str(home)
+    home = tmp_path / "prefect"  # embedded_env's
     command = [sys.executable, "-c", "from flows.cli import migrate_embedded_home; migrate_embedded_home()"]
-    runs = [subprocess.Popen(command, env=env, stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    runs = [subprocess.Popen(command, env=embedded_env, stderr=subprocess.PIPE, text=True) for _ in range(2)]
     for run in runs:
         assert run.wait(timeout=300) == 0, run.stderr.read()
     with sqlite3.connect(home / "prefect.db") as db:
