@@ -93,6 +93,14 @@ def train(algo: str, scenario: str, args, overrides: dict) -> None:
     run_dir = run_dir_of(args.run_root, algo, scenario)
     preset = PRESETS[algo]
     settings = {**MAP_SETTINGS.get((algo, scenario), {}), **overrides}  # the run's changes to its preset
+    log_path = os.path.join(run_dir, WALL_LOG)
+    log = json.load(open(log_path)) if os.path.exists(log_path) else {"sittings": [], "rows": {}}
+    # a run root is one trial: resuming it under other settings would train (or, when done,
+    # report) the old run under the new settings' name
+    if log.get("settings") not in (None, settings):
+        raise SystemExit(f"{run_dir} was run with settings {log['settings']} and this command asks for "
+                         f"{settings}; resume it with its own --set values, or pass a new --run-root and "
+                         "--results-name for these")
     # the run's own shape: a --set of envs_per_collector or steps_per_region changes its iterations
     n_iterations = make_run_config(preset, env_id=f"smax:{scenario}", total_env_steps=budget,
                                    overrides=settings).n_iterations
@@ -102,8 +110,6 @@ def train(algo: str, scenario: str, args, overrides: dict) -> None:
     overrides = {"eval_episodes": str(args.eval_episodes),
                  "eval_every": str(max(1, n_iterations // args.evals)),
                  "max_wall_s": str(args.max_wall_s), **schedule, **settings}
-    log_path = os.path.join(run_dir, WALL_LOG)
-    log = json.load(open(log_path)) if os.path.exists(log_path) else {"sittings": [], "rows": {}}
     log["settings"] = settings
     # a killed sitting records no wall of its own; its evaluated rows still say how far it got
     before = max([sum(s["wall_s"] for s in log["sittings"])] + [r["wall_s"] for r in log["rows"].values()])

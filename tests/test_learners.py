@@ -214,6 +214,29 @@ def test_the_smax_maps_per_map_settings_are_valid_settings_of_their_preset():
         assert {key: str(values[key]) for key in settings} == settings
 
 
+def test_smax_maps_refuses_to_resume_a_run_root_under_other_settings(tmp_path):
+    """A run root is one trial: the same root asked for other --set values (a reused device
+    /tmp once reported a finished run under the next trial's settings) stops in one line
+    that names both, and the trial's wall log is left as it was."""
+    import argparse
+    import json
+    import runpy
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    bench = runpy.run_path(os.path.join(root, "bench", "smax_maps.py"))
+    run_dir = tmp_path / "mappo-8m"
+    run_dir.mkdir()
+    log = {"sittings": [{"wall_s": 210.0}], "rows": {"244": {"wall_s": 209.0}}, "settings": {"ent_coef": "0.01"}}
+    (run_dir / "bench_wall.json").write_text(json.dumps(log))
+    args = argparse.Namespace(run_root=str(tmp_path), budget_scale=1.0)
+    with pytest.raises(SystemExit) as stop:
+        bench["train"]("mappo", "8m", args, {"clip_eps": "0.1"})
+    message = str(stop.value)
+    assert "{'ent_coef': '0.01'}" in message and "{'clip_eps': '0.1'}" in message
+    assert "--run-root" in message and "\n" not in message
+    assert json.loads((run_dir / "bench_wall.json").read_text()) == log
+
+
 def test_cpu_sized_presets_say_how_to_size_a_run_for_an_accelerator():
     from pipelines.config import accelerator_hint, make_run_config
 
