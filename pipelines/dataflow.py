@@ -394,6 +394,7 @@ class Dataflow:
 
     def _row(self, it: _Iteration) -> dict:
         config, m = self.config, it.result
+        learned = m["learner"]
         interval = max(it.trained_at - self.last_trained, 1e-9)
         self.last_trained = it.trained_at
         collected = m["collected"]
@@ -413,7 +414,7 @@ class Dataflow:
         row = {"iteration": it.index + 1, "env_steps": (it.index + 1) * config.steps_per_iteration,
                "return": _mean(c["return_mean"] for c in collected),
                "win_rate": _mean(c["win_rate"] for c in collected),
-               "loss": m.get("loss", float("nan")), **{f"{t}_loss": m[f"{t}_loss"] for t in m.get("teams", ())},
+               "loss": learned.get("loss", float("nan")), **{f"{t}_loss": learned[f"{t}_loss"] for t in m["teams"]},
                "total_updates": m["total_updates"],
                "steps_per_s": config.steps_per_iteration / interval,
                "updates_per_s": m["updates"] / interval,
@@ -422,7 +423,7 @@ class Dataflow:
                "policy_lag": _mean(m["lags"]), "policy_lag_max": max(m["lags"])}
         # the rest of what the learner reported (a PPO's entropy, KL and explained variance, a
         # Q-learner's TD error and grad norm), grouped under train/ in TensorBoard and the rest
-        row.update({f"train/{k}": v for k, v in m.get("learner", {}).items() if k not in row})
+        row.update({f"train/{k}": v for k, v in learned.items() if k not in row})
         if it.evaluated is not None:
             self._attach(row, it.evaluated)
             self.final_eval = it.evaluated

@@ -583,7 +583,7 @@ def train(config, iteration: int, env_steps: int, checkpoint: bool, collected: l
     version = state.meta["param_version"]
     _mirror(state, config, iteration, collected)
     read = time.perf_counter()
-    metrics = {}
+    metrics, team_names = {}, [team[0] for team in learner.spec.teams]
     if learner.on_policy:
         n_updates = len(collected)
     else:
@@ -600,9 +600,8 @@ def train(config, iteration: int, env_steps: int, checkpoint: bool, collected: l
     jax.block_until_ready(state.train_state)
     if n_updates:
         metrics = _scalars(m)
-        team_names = [team[0] for team in learner.spec.teams]
         if team_names:  # one learner per team, each its own <team>_loss: the row's loss is their mean
-            metrics.update(loss=float(np.mean([metrics[f"{t}_loss"] for t in team_names])), teams=team_names)
+            metrics["loss"] = float(np.mean([metrics[f"{t}_loss"] for t in team_names]))
     updated = time.perf_counter()
     lags = [version - int(c["param_version"]) for c in collected]
     state.unmarked.update({c["region"]: version for c in collected})
@@ -619,10 +618,10 @@ def train(config, iteration: int, env_steps: int, checkpoint: bool, collected: l
         state.checkpoints.save(iteration + 1, _to_numpy(state.train_state), state.meta)
     stats = [{k: v for k, v in c.items() if k != "data"} for c in collected]
     return {"params": params, "param_version": version + 1,
-            # `learner`: what the learner reported of its updates (losses, entropy, ...), for the metrics rows
-            "metrics": {**metrics, "learner": {k: v for k, v in metrics.items() if k != "teams"},
-                        "updates": n_updates, "total_updates": state.meta["updates"],
-                        "collected": stats, "lags": lags, "read_s": read - started, "update_s": updated - read,
+            # `learner`: what the learner reported of its updates (losses, entropy, ...), for the
+            # metrics rows; `teams`: the team learners whose <team>_loss it holds (none: one learner)
+            "metrics": {"learner": metrics, "teams": team_names,
+                        "updates": n_updates, "total_updates": state.meta["updates"], "collected": stats, "lags": lags, "read_s": read - started, "update_s": updated - read,
                         "publish_s": published - updated, "checkpoint_s": time.perf_counter() - published,
                         "train_s": time.perf_counter() - started}}
 

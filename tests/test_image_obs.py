@@ -127,8 +127,8 @@ def test_minari_export_keeps_the_images(mappo_run, tmp_path, monkeypatch):
 def test_mappo_updates_with_the_conv_encoder(mappo_run):
     _, result = mappo_run
     metrics = result["metrics"]
-    assert metrics["updates"] == 1 and np.isfinite(metrics["loss"])
-    assert metrics["actor_grad_norm"] > 0 and metrics["critic_grad_norm"] > 0
+    assert metrics["updates"] == 1 and np.isfinite(metrics["learner"]["loss"])
+    assert metrics["learner"]["actor_grad_norm"] > 0 and metrics["learner"]["critic_grad_norm"] > 0
     assert "encoder" in result["params"]["params"]  # the actor's conv encoder
 
 
@@ -166,7 +166,7 @@ def test_qmix_updates_with_the_conv_encoder(tmp_path):
     finally:
         stages.clear_caches()
     metrics = result["metrics"]
-    assert metrics["updates"] == 2 and np.isfinite(metrics["loss"]) and metrics["grad_norm"] > 0
+    assert metrics["updates"] == 2 and np.isfinite(metrics["learner"]["loss"]) and metrics["learner"]["grad_norm"] > 0
     assert "encoder" in result["params"]["params"]  # the agent network's conv encoder
 
 
@@ -180,6 +180,6 @@ def test_maddpg_updates_with_conv_encoders_on_continuous_pistons(tmp_path):
     finally:
         stages.clear_caches()
     metrics = result["metrics"]
-    assert metrics["updates"] == 1 and np.isfinite(metrics["loss"])
-    assert metrics["actor_grad_norm"] > 0 and metrics["critic_grad_norm"] > 0
+    assert metrics["updates"] == 1 and np.isfinite(metrics["learner"]["loss"])
+    assert metrics["learner"]["actor_grad_norm"] > 0 and metrics["learner"]["critic_grad_norm"] > 0
     assert "encoder" in result["params"]["params"]  # each actor's conv encoder

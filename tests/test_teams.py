@@ -276,10 +276,11 @@ def test_every_team_learns_with_its_own_learner_and_replay_fields(tmp_path, capf
     assert evaluation["teams"] == ["adversary", "agent"] and evaluation["episodes"] > 0
     assert evaluation["return_mean"] == evaluation["adversary_return_mean"] != evaluation["agent_return_mean"]
     # the run's loss (its metrics.csv column) is the mean of the teams' own
-    m = out["metrics"]
-    assert m["teams"] == ["adversary", "agent"] and m["loss"] == pytest.approx((m["adversary_loss"] + m["agent_loss"]) / 2)
+    m = out["metrics"]["learner"]
+    assert out["metrics"]["teams"] == ["adversary", "agent"]
+    assert m["loss"] == pytest.approx((m["adversary_loss"] + m["agent_loss"]) / 2)
     for team in ("adversary", "agent"):  # each team's learner updated its own actor
-        assert f"{team}_actor_loss" in out["metrics"] and np.isfinite(out["metrics"][f"{team}_value_loss"])
+        assert f"{team}_actor_loss" in m and np.isfinite(m[f"{team}_value_loss"])
         moved = jax.tree.map(lambda a, b: np.abs(np.asarray(a) - np.asarray(b)).max(), before[team], out["params"][team])
         assert max(jax.tree.leaves(moved)) > 0
         jax.tree.map(np.testing.assert_array_equal, restored[team], out["params"][team])
@@ -400,7 +401,7 @@ def test_teams_of_an_image_env_keep_their_images_and_each_learns_with_its_own_en
     assert data["logp_left"].shape == (8, 2, 1) and data["logp_right"].shape == (8, 2, 2)
     for team in ("left", "right"):
         assert "encoder" in out["params"][team]["params"]  # the team's actor sees pixels through its own
-        assert np.isfinite(out["metrics"][f"{team}_value_loss"])
+        assert np.isfinite(out["metrics"]["learner"][f"{team}_value_loss"])
         moved = jax.tree.map(lambda a, b: np.abs(np.asarray(a) - np.asarray(b)).max(), before[team], out["params"][team])
         assert max(jax.tree.leaves(moved)) > 0
     # a team exported alone plays the fixed opponent of a view on the images it sees
