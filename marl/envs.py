@@ -142,6 +142,9 @@ SHAPED_REWARD = ("overcooked", "overcooked_v2")
 # the shaping term, -(sum of the allies' health lost, each over its type's full health) /
 # allies, so reward + 1 * it is SMAC's reward with reward_only_positive=False
 SMAX_HEALTH_SHAPING = "health_lost_shaping"
+# the same loss, each ally's own: -(its health lost over its full health), so an ally's
+# term differs from its teammates' and a critic that knows the agent can credit it alone
+SMAX_OWN_HEALTH_SHAPING = "own_health_lost_shaping"
 
 
 class JaxEnv:
@@ -158,6 +161,7 @@ class JaxEnv:
         self.env = env
         self.spec = spec
         self.family = family  # "smax", "mpe", "hanabi", ... (see family_of)
+        self.own_health_shaping = False  # SMAX: each ally's own health lost as its shaping term
         self.kind = family  # older name
         self.action_sizes = tuple(act_sizes)  # each agent's own action count (discrete) or dims
         self._mask = np.asarray(mask, bool)  # [agent, mask_width]: the padding's mask
@@ -219,7 +223,7 @@ class JaxEnv:
         reward = jnp.stack([jnp.asarray(reward[a], jnp.float32) for a in self.spec.agents])
         shaped = None
         if self.spec.shaped_reward and self.family == "smax":
-            shaped = jnp.full((self.spec.n_agents,), self._smax_health_lost(env_state, next_state))
+            shaped = self._smax_health_lost(env_state, next_state)
         elif self.spec.shaped_reward:
             shaped = jnp.stack([jnp.asarray(info["shaped_reward"][a], jnp.float32) for a in self.spec.agents])
         real, won = self._ended(next_state, actions, reward, info)
@@ -255,13 +259,14 @@ class JaxEnv:
         return no, no  # TIME_LIMIT_ONLY: every end is the time limit
 
     def _smax_health_lost(self, before, after):
-        """SMAX_HEALTH_SHAPING's term: minus the allies' health lost this step, each unit's
-        over its type's full health, summed and over the number of allies."""
+        """[agent] shaping terms: minus the health lost this step, each ally's over its type's
+        full health; SMAX_HEALTH_SHAPING gives every ally the team's mean of them,
+        SMAX_OWN_HEALTH_SHAPING each ally its own."""
         before, after = getattr(before, "state", before), getattr(after, "state", after)
         n = self.env.num_allies
         full = self.env.unit_type_health[before.unit_types[:n]]
-        lost = jnp.maximum(before.unit_health[:n] - after.unit_health[:n], 0.0) / full
-        return -jnp.sum(lost).astype(jnp.float32) / n
+        lost = (jnp.maximum(before.unit_health[:n] - after.unit_health[:n], 0.0) / full).astype(jnp.float32)
+        return -lost if self.own_health_shaping else jnp.full((n,), -jnp.mean(lost))
 
     def _alive(self, env_state):
         """SMAX: (any ally alive, any enemy alive) in the env's own state."""
@@ -556,9 +561,13 @@ def _make_smax(env_id: str, scenario: str, kwargs: dict) -> JaxEnv:
     if "scenario" in kwargs:
         raise EnvError(f"{env_id}: the id names the scenario; drop the scenario env kwarg "
                        "(or use jaxmarl:HeuristicEnemySMAX with it)")
-    shaping = bool(kwargs.pop(SMAX_HEALTH_SHAPING, False))
+    team, own = (bool(kwargs.pop(name, False)) for name in (SMAX_HEALTH_SHAPING, SMAX_OWN_HEALTH_SHAPING))
+    if team and own:
+        raise EnvError(f"{env_id}: {SMAX_HEALTH_SHAPING} and {SMAX_OWN_HEALTH_SHAPING} are two forms of one "
+                       "shaping term; pass one of them")
     env = _make_jaxmarl(env_id, "HeuristicEnemySMAX", {**kwargs, "scenario": scenario})
-    if shaping:
+    env.own_health_shaping = own
+    if team or own:
         env.spec = dataclasses.replace(env.spec, shaped_reward=True)
     return env
 

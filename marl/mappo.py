@@ -100,7 +100,8 @@ class Config:
 CRITICS = ("central", "agent", "joint", "local")
 SHAPING_NEEDS = ("reward_shaping_horizon={horizon} needs an env with a shaping term beside its reward "
                  "(jaxmarl:overcooked, jaxmarl:overcooked_v2, or smax:* with --set "
-                 "env_kwargs='{{\"health_lost_shaping\": true}}') and {env} has none; drop the setting")
+                 "env_kwargs='{{\"health_lost_shaping\": true}}' or own_health_lost_shaping) and {env} has none; "
+                 "drop the setting")
 ACTION_SPACES = ("discrete", "continuous")
 ACTIVATIONS = {"tanh": nn.tanh, "relu": nn.relu}
 MASKED = -1e9  # logit of an unavailable action: probability exactly 0 in float32, no NaN

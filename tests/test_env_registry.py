@@ -240,6 +240,33 @@ def test_overcooked_gives_its_shaped_reward_to_the_agent_that_earned_it():
     np.testing.assert_array_equal(ts.reward, [0.0, 0.0])
 
 
+def test_smax_own_health_lost_shaping_gives_each_ally_its_own_loss_and_the_team_term_their_mean():
+    """own_health_lost_shaping: each ally's term is its own health lost (over its full health),
+    so allies hit differently get different terms; on the same steps the team form gives every
+    ally their mean. Asking for both forms is one line naming them."""
+    own, team = envs.make("smax:3m", own_health_lost_shaping=True), envs.make("smax:3m", health_lost_shaping=True)
+    assert own.spec.shaped_reward
+    steps = [jax.jit(e.step) for e in (own, team)]
+    ts, state = own.reset(jax.random.PRNGKey(0))
+    totals, key, differed = np.zeros(3), jax.random.PRNGKey(1), False
+    for _ in range(own.spec.episode_limit + 1):  # one episode, random play (3m: lost)
+        key, k_act, k_step = jax.random.split(key, 3)
+        action = jax.random.categorical(k_act, jnp.where(ts.avail_actions, 0.0, -jnp.inf))
+        (ts, next_state), (ts_team, _) = (step(k_step, state, action) for step in steps)
+        assert (ts.shaped_reward <= 0).all()
+        np.testing.assert_allclose(ts_team.shaped_reward, np.full(3, ts.shaped_reward.mean()), rtol=1e-6)
+        differed |= bool(ts.shaped_reward.min() != ts.shaped_reward.max())
+        totals += np.asarray(ts.shaped_reward)
+        state = next_state
+        if ts.first:
+            break
+    assert ts.first and ts.terminated and not ts.won
+    assert differed  # some step hit one ally and not another
+    np.testing.assert_allclose(totals, -1.0, atol=1e-5)  # every ally died: each lost its whole health
+    with pytest.raises(envs.EnvError, match="pass one of them"):
+        envs.make("smax:3m", own_health_lost_shaping=True, health_lost_shaping=True)
+
+
 def test_smax_health_lost_shaping_is_opt_in_and_a_lost_episode_sums_to_minus_one():
     """The opt-in SMAX shaping term is the team's own health lost: the same for every ally,
     never positive, and over an episode the allies lose (every ally dead) it sums to -1."""

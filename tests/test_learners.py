@@ -237,6 +237,44 @@ def test_smax_maps_refuses_to_resume_a_run_root_under_other_settings(tmp_path):
     assert json.loads((run_dir / "bench_wall.json").read_text()) == log
 
 
+def test_smax_behaviour_measures_margins_targets_and_hurt_allies_on_hand_made_steps():
+    """bench/smax_behaviour.py's measures on 3 hand-made steps of 2 envs (2 marines against 2):
+    env 0 won at its second step, env 1 lost at its third."""
+    import runpy
+
+    import numpy as np
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    behaviour = runpy.run_path(os.path.join(root, "bench", "smax_behaviour.py"))["behaviour"]
+    T, N, full = 3, 2, 45.0
+    health = np.full((T, N, 4), full)  # [step, env, unit]: allies 0-1, enemies 2-3
+    alive = np.ones((T, N, 4), bool)
+    avail = np.zeros((T, N, 2, 7), bool)
+    avail[..., :5] = avail[..., 5:] = True  # every move, stop and both enemies in reach
+    action = np.full((T, N, 2), 4)
+    health[0, 0, 2:] = 30, full  # step 0, env 0: both allies on enemy 0, the weaker
+    action[0, 0] = 5, 5
+    health[0, 1, 2:] = full, 20  # env 1: one ally on the weaker (enemy 1), one on the other
+    action[0, 1] = 6, 5
+    health[1, 0] = full, 10, 5, full  # step 1, env 0: ally 1 hurt and moving; ally 0 reaches enemy 1 alone
+    avail[1, 0, 0, 5] = False
+    action[1, 0] = 6, 0
+    health[1, 1] = full, 10, full, 20  # env 1: hurt ally 1 attacks, both on the weaker enemy 1
+    action[1, 1] = 6, 6
+    health[2, 1, 1], alive[2, 1, 1] = 0.0, False  # step 2, env 1: ally 1 dead, the allies lose
+    live = np.array([[True, True], [True, True], [False, True]])
+    ended = np.array([[False, False], [True, False], [False, True]])
+    won = np.array([[False, False], [True, False], [False, False]])
+    m = behaviour({"action": action, "avail": avail, "health": health, "alive": alive, "live": live,
+                   "ended": ended, "won": won}, 2)
+    assert m["win"] == 0.5 and m["episodes"] == 2
+    assert m["won_allies_alive"] == 2 and m["won_length"] == 2 and m["lost_enemies_alive"] == 2
+    assert m["won_ally_health"] == pytest.approx((1 + 10 / 45) / 2)
+    assert m["targets_per_attacker"] == pytest.approx((0.5 + 1.0 + 0.5) / 3)
+    assert m["on_weakest"] == pytest.approx(6 / 7)
+    assert m["hurt_moving"] == 0.5  # of the two hurt allies' steps in reach, one moved
+
+
 def test_cpu_sized_presets_say_how_to_size_a_run_for_an_accelerator():
     from pipelines.config import accelerator_hint, make_run_config
 
