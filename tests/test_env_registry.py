@@ -241,9 +241,9 @@ def test_overcooked_gives_its_shaped_reward_to_the_agent_that_earned_it():
 
 
 def test_smax_own_health_lost_shaping_gives_each_ally_its_own_loss_and_the_team_term_their_mean():
-    """own_health_lost_shaping: each ally's term is its own health lost (over its full health),
-    so allies hit differently get different terms; on the same steps the team form gives every
-    ally their mean. Asking for both forms is one line naming them."""
+    """own_health_lost_shaping: each ally's term is its own health lost (over its full health)
+    over the number of allies, so allies hit differently get different terms and their sum is
+    the team form's term on the same step. Asking for both forms is one line naming them."""
     own, team = envs.make("smax:3m", own_health_lost_shaping=True), envs.make("smax:3m", health_lost_shaping=True)
     assert own.spec.shaped_reward
     steps = [jax.jit(e.step) for e in (own, team)]
@@ -254,7 +254,7 @@ def test_smax_own_health_lost_shaping_gives_each_ally_its_own_loss_and_the_team_
         action = jax.random.categorical(k_act, jnp.where(ts.avail_actions, 0.0, -jnp.inf))
         (ts, next_state), (ts_team, _) = (step(k_step, state, action) for step in steps)
         assert (ts.shaped_reward <= 0).all()
-        np.testing.assert_allclose(ts_team.shaped_reward, np.full(3, ts.shaped_reward.mean()), rtol=1e-6)
+        np.testing.assert_allclose(ts_team.shaped_reward, np.full(3, ts.shaped_reward.sum()), rtol=1e-5, atol=1e-7)
         differed |= bool(ts.shaped_reward.min() != ts.shaped_reward.max())
         totals += np.asarray(ts.shaped_reward)
         state = next_state
@@ -262,7 +262,7 @@ def test_smax_own_health_lost_shaping_gives_each_ally_its_own_loss_and_the_team_
             break
     assert ts.first and ts.terminated and not ts.won
     assert differed  # some step hit one ally and not another
-    np.testing.assert_allclose(totals, -1.0, atol=1e-5)  # every ally died: each lost its whole health
+    np.testing.assert_allclose(totals, -1 / 3, atol=1e-5)  # every ally died: each lost its whole health
     with pytest.raises(envs.EnvError, match="pass one of them"):
         envs.make("smax:3m", own_health_lost_shaping=True, health_lost_shaping=True)
 
