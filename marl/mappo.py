@@ -57,7 +57,9 @@ from marl.learner import Learner
 @dataclasses.dataclass(frozen=True)
 class Config:
     # "central" (MAPPO: global state), "agent" (state + own obs), "joint" (every agent's obs,
-    # its own first) or "local" (IPPO: own obs)
+    # its own first), "local" (IPPO: own obs) or "counterfactual" (COMA's baseline: the state
+    # and the other agents' actions -> a Q per own action; the advantage is the taken
+    # action's Q minus the policy's mean Q, so each agent is credited with its own choice)
     critic: str = "central"
     recurrent: bool = False  # GRU actor; its hidden state is stored per step as `actor_h`
     hidden: int = 64
@@ -97,7 +99,7 @@ class Config:
     reward_shaping_horizon: int = 0
 
 
-CRITICS = ("central", "agent", "joint", "local")
+CRITICS = ("central", "agent", "joint", "local", "counterfactual")
 SHAPING_NEEDS = ("reward_shaping_horizon={horizon} needs an env with a shaping term beside its reward "
                  "(jaxmarl:overcooked, jaxmarl:overcooked_v2, or smax:* with --set "
                  "env_kwargs='{{\"health_lost_shaping\": true}}' or own_health_lost_shaping) and {env} has none; "
@@ -157,7 +159,8 @@ class Critic(nn.Module):
     state, the same for every agent (central, MAPPO), the state with the agent's own obs
     beside it (agent), every agent's obs with its own first (joint), or the agent's own obs
     alone (local, IPPO); an image through a conv encoder (a state's once per state, not per
-    agent)."""
+    agent). `counterfactual`: the state and every other agent's action (one-hot, the agent's
+    own slot zero) -> one Q per action of the agent's own (n_actions)."""
 
     hidden: int
     activation: str
@@ -166,9 +169,10 @@ class Critic(nn.Module):
     encoder: nn.Module | None = None  # an image state (central, agent) or image obs (joint, local)
     obs_encoder: nn.Module | None = None  # the agent critic's image obs
     layer_norm: bool = False
+    n_actions: int = 0  # counterfactual: the Q head's width
 
     @nn.compact
-    def __call__(self, obs, state):  # [..., agent, obs] and [..., state] -> [..., agent]
+    def __call__(self, obs, state, action=None):  # [..., agent, obs], [..., state], [..., agent] -> [..., agent]
         if self.sees == "local":
             x = encoders.encode(self.encoder, obs)
         elif self.sees == "joint":
@@ -182,9 +186,15 @@ class Critic(nn.Module):
             if self.sees == "agent":
                 own = encoders.encode(self.obs_encoder, obs)
                 x = jnp.concatenate([x, own.astype(x.dtype)], axis=-1)
+            if self.sees == "counterfactual":  # row i: every agent's action but i's own
+                others = jax.nn.one_hot(action, self.n_actions, dtype=x.dtype)[..., None, :, :]
+                others = others * (1.0 - jnp.eye(self.n_agents, dtype=x.dtype))[..., None]
+                x = jnp.concatenate([x, others.reshape(*x.shape[:-1], -1)], axis=-1)
         x = encoders.with_agent_ids(normed(x, self.layer_norm))
         h = hidden_layer(x, self.hidden, self.activation, self.layer_norm)
         h = hidden_layer(h, self.hidden, self.activation, self.layer_norm)
+        if self.sees == "counterfactual":
+            return nn.Dense(self.n_actions, kernel_init=orthogonal(1.0), bias_init=constant(0.0))(h)
         return nn.Dense(1, kernel_init=orthogonal(1.0), bias_init=constant(0.0))(h)[..., 0]
 
 
@@ -245,6 +255,14 @@ def gae(reward, terminated, cut, value, gamma: float, lam: float):
     return adv, adv + value[:, :-1]
 
 
+def counterfactual_advantage(q, logits, action):
+    """COMA's advantage of each agent's taken action: its Q minus the Q the agent's policy
+    expects with the other agents' actions held fixed. q and logits [..., agent, action]
+    (logits masked), action [..., agent] -> [..., agent]."""
+    taken = jnp.take_along_axis(q, action[..., None].astype(jnp.int32), axis=-1)[..., 0]
+    return taken - jnp.sum(jax.nn.softmax(logits) * q, axis=-1)
+
+
 def explained_variance(target, prediction, weight):
     """1 - Var(target - prediction) / Var(target) over the steps `weight` keeps: how much of
     the value targets' spread the critic that acted explains (1: all of it; 0: no more than
@@ -270,9 +288,13 @@ def make_learner(spec: EnvSpec, config: Config):
     if config.critic not in CRITICS:
         raise ValueError(f"unknown critic {config.critic!r}; valid: {', '.join(CRITICS)} "
                          "(central = MAPPO, agent = MAPPO with each agent's obs beside the state, "
-                         "joint = MAPPO on every agent's obs, local = IPPO)")
+                         "joint = MAPPO on every agent's obs, local = IPPO, counterfactual = COMA's baseline)")
     if config.activation not in ACTIVATIONS:
         raise ValueError(f"unknown activation {config.activation!r}; valid: {', '.join(ACTIVATIONS)}")
+    counterfactual = config.critic == "counterfactual"
+    if counterfactual and not spec.discrete:
+        raise ValueError(f"critic=counterfactual scores each of an agent's discrete actions and {spec.env_id} "
+                         "has continuous ones; use critic=central")
     if config.reward_shaping_horizon > 0 and not spec.shaped_reward:
         raise ValueError(SHAPING_NEEDS.format(horizon=config.reward_shaping_horizon, env=spec.env_id))
     shaping = reward_shaping(config.reward_shaping_horizon) if config.reward_shaping_horizon > 0 else None
@@ -284,7 +306,7 @@ def make_learner(spec: EnvSpec, config: Config):
     critic = Critic(config.hidden, config.activation, n_agents, config.critic,
                     encoders.for_image(spec.obs_shape if sees_obs else spec.state_shape),
                     encoders.for_image(spec.obs_shape) if config.critic == "agent" else None,
-                    config.layer_norm)
+                    config.layer_norm, spec.n_actions if counterfactual else 0)
     updates_per_call = config.epochs * config.minibatches
 
     # linear to 0 over anneal_lr_iterations train calls, one lr for all the updates of a call
@@ -310,7 +332,8 @@ def make_learner(spec: EnvSpec, config: Config):
         obs = jnp.zeros((1, n_agents, *obs_shape), obs_dtype)
         carry = jnp.zeros((1, n_agents, config.hidden))
         params = {"actor": actor.init(k_actor, carry, obs),
-                  "critic": critic.init(k_critic, obs, jnp.zeros((1, *state_shape), state_dtype))}
+                  "critic": critic.init(k_critic, obs, jnp.zeros((1, *state_shape), state_dtype),
+                                        jnp.zeros((1, n_agents), jnp.int32))}
         train_state = {"params": params, "actor_opt": actor_opt.init(params["actor"]),
                        "critic_opt": critic_opt.init(params["critic"]),
                        "updates": jnp.array(0, jnp.int32), "key": key}
@@ -394,8 +417,13 @@ def make_learner(spec: EnvSpec, config: Config):
         return (gaussian_log_prob(out, log_std, batch["action_raw"]),
                 gaussian_entropy(out, log_std))
 
-    def values(critic_params, batch):
-        return critic.apply(critic_params, batch["obs"], batch["state"])
+    def values(critic_params, batch, every_action=False):
+        """[..., agent]: each agent's state value, or (counterfactual) its taken action's Q
+        ([..., agent, action], every action's, with every_action)."""
+        if not counterfactual:
+            return critic.apply(critic_params, batch["obs"], batch["state"])
+        q = critic.apply(critic_params, batch["obs"], batch["state"], batch["action"])
+        return q if every_action else jnp.take_along_axis(q, batch["action"][..., None].astype(jnp.int32), axis=-1)[..., 0]
 
     # ---------------------------------------------------------- value normalisation
 
@@ -413,9 +441,9 @@ def make_learner(spec: EnvSpec, config: Config):
                  "debias": jnp.float32(1.0)}
         return jax.tree.map(lambda old, new: VALUE_NORM_BETA * old + (1.0 - VALUE_NORM_BETA) * new, stats, batch)
 
-    def raw_values(train_state, batch):
-        """State values on the return's scale, whatever space the critic learns in."""
-        value = values(train_state["params"]["critic"], batch)
+    def raw_values(train_state, batch, every_action=False):
+        """State values (or Qs: `values`) on the return's scale, whatever space the critic learns in."""
+        value = values(train_state["params"]["critic"], batch, every_action)
         if not config.value_norm:
             return value
         mean, std = value_moments(train_state["value_norm"])
@@ -434,7 +462,11 @@ def make_learner(spec: EnvSpec, config: Config):
         step of the next region), so its transition is dropped from the loss and its
         value only bootstraps step T-2: targets cover steps 0..T-2. `weight` [B, T-1] leaves
         out the cut steps too (a time limit, a restart), which have no target."""
-        value = jax.lax.stop_gradient(raw_values(old_state, batch))  # [B, T, agent]
+        if counterfactual:  # value: the taken actions' Q, so GAE's targets are its TD(lambda) returns
+            q = jax.lax.stop_gradient(raw_values(old_state, batch, every_action=True))  # [B, T, agent, action]
+            value = jnp.take_along_axis(q, batch["action"][..., None].astype(jnp.int32), axis=-1)[..., 0]
+        else:
+            value = jax.lax.stop_gradient(raw_values(old_state, batch))  # [B, T, agent]
         cut = transition.cut(batch)
         weight = (~cut).astype(jnp.float32)
         reward = batch["reward"]
@@ -442,6 +474,9 @@ def make_learner(spec: EnvSpec, config: Config):
             reward = reward + shaping_coef * batch["shaped_reward"]
         adv, targets = gae(reward[:, :-1], batch["terminated"][:, :-1], cut, value,
                            config.gamma, config.gae_lambda)
+        if counterfactual:  # each agent's own choice against its policy's mean, the others' fixed
+            logits = masked_logits(actor_outputs(old_state["params"]["actor"], batch)[0], batch["avail_actions"])
+            adv = jax.lax.stop_gradient(counterfactual_advantage(q, logits, batch["action"])[:, :-1])
         value_old, stats = value[:, :-1], None
         if config.value_norm:  # the critic learns in the space of the moments with these targets in
             stats = value_norm_update(old_state["value_norm"], targets, weight)
