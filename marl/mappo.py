@@ -205,9 +205,13 @@ def masked_logits(logits, avail):
     return jnp.where(avail, logits, MASKED)
 
 
+def taken(x, action):
+    """x [..., agent, action] (log-probabilities, Qs) at each agent's action [..., agent] -> [..., agent]."""
+    return jnp.take_along_axis(x, action[..., None].astype(jnp.int32), axis=-1)[..., 0]
+
+
 def categorical_log_prob(logits, action):
-    logp = jax.nn.log_softmax(logits)
-    return jnp.take_along_axis(logp, action[..., None].astype(jnp.int32), axis=-1)[..., 0]
+    return taken(jax.nn.log_softmax(logits), action)
 
 
 def categorical_entropy(logits, avail):
@@ -259,8 +263,7 @@ def counterfactual_advantage(q, logits, action):
     """COMA's advantage of each agent's taken action: its Q minus the Q the agent's policy
     expects with the other agents' actions held fixed. q and logits [..., agent, action]
     (logits masked), action [..., agent] -> [..., agent]."""
-    taken = jnp.take_along_axis(q, action[..., None].astype(jnp.int32), axis=-1)[..., 0]
-    return taken - jnp.sum(jax.nn.softmax(logits) * q, axis=-1)
+    return taken(q, action) - jnp.sum(jax.nn.softmax(logits) * q, axis=-1)
 
 
 def explained_variance(target, prediction, weight):
@@ -423,7 +426,7 @@ def make_learner(spec: EnvSpec, config: Config):
         if not counterfactual:
             return critic.apply(critic_params, batch["obs"], batch["state"])
         q = critic.apply(critic_params, batch["obs"], batch["state"], batch["action"])
-        return q if every_action else jnp.take_along_axis(q, batch["action"][..., None].astype(jnp.int32), axis=-1)[..., 0]
+        return q if every_action else taken(q, batch["action"])
 
     # ---------------------------------------------------------- value normalisation
 
@@ -464,7 +467,7 @@ def make_learner(spec: EnvSpec, config: Config):
         out the cut steps too (a time limit, a restart), which have no target."""
         if counterfactual:  # value: the taken actions' Q, so GAE's targets are its TD(lambda) returns
             q = jax.lax.stop_gradient(raw_values(old_state, batch, every_action=True))  # [B, T, agent, action]
-            value = jnp.take_along_axis(q, batch["action"][..., None].astype(jnp.int32), axis=-1)[..., 0]
+            value = taken(q, batch["action"])
         else:
             value = jax.lax.stop_gradient(raw_values(old_state, batch))  # [B, T, agent]
         cut = transition.cut(batch)
