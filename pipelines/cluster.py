@@ -246,9 +246,11 @@ class IgnoreGroupStops(WorkerPlugin):
     message, else by SIGKILL); else each dies first, with its own traceback or a nanny's
     restart above the run's one line. A SIGTERM still ends a worker TERM_GRACE_S later
     (SIGALRM's default action) should nothing close it first: multiprocessing's exit
-    SIGTERMs and then waits on its workers. A plugin, so workers that restart later do the
-    same; a worker that is a thread of this process (the threads cluster) leaves the
-    process's handlers alone."""
+    SIGTERMs and then waits on its workers. Once either signal came, the worker's heartbeat
+    failing on a scheduler already closed is the stop, not a fault, and is not logged (it
+    printed an ERROR traceback under the run's one line on a loaded machine). A plugin, so
+    workers that restart later do the same; a worker that is a thread of this process (the
+    threads cluster) leaves the process's handlers alone."""
 
     name = "marl-ignore-group-stops"
 
@@ -257,11 +259,20 @@ class IgnoreGroupStops(WorkerPlugin):
 
     def setup(self, worker):
         if os.getpid() != self.client_pid and threading.current_thread() is threading.main_thread():
-            signal.signal(signal.SIGINT, signal.SIG_IGN)
-            signal.signal(signal.SIGTERM, lambda signum, frame: signal.alarm(TERM_GRACE_S))
+            def stop_begun(signum, frame):
+                GROUP_STOP.set()
+                if signum == signal.SIGTERM:
+                    signal.alarm(TERM_GRACE_S)
+
+            signal.signal(signal.SIGINT, stop_begun)
+            signal.signal(signal.SIGTERM, stop_begun)
+            logging.getLogger("distributed.worker").addFilter(
+                lambda record: not (GROUP_STOP.is_set() and str(record.msg).startswith(HEARTBEAT_LOST)))
 
 
 TERM_GRACE_S = 60
+GROUP_STOP = threading.Event()  # in a worker process: its run's group was signalled to stop
+HEARTBEAT_LOST = "Failed to communicate with scheduler during heartbeat"
 
 
 @contextlib.contextmanager

@@ -211,6 +211,7 @@ def test_a_stop_signalled_to_marl_train_s_group_takes_its_prefect_server_with_it
     if how == "SIGTERM":
         assert code == 128 + signal.SIGTERM and "Traceback" not in err and "Restarting worker" not in err, err[-3000:]
         assert "caused the cluster to lose" not in err, err[-3000:]  # the closing cluster's lost results
+        assert "Failed to communicate with scheduler" not in err, err[-3000:]  # a worker's, on it
         assert err.strip().splitlines()[-1] == \
             f"marl: stopped by SIGTERM; the same command resumes from {run_dir}'s last checkpoint"
     _, alive = psutil.wait_procs(left, timeout=30)
@@ -249,6 +250,42 @@ for sig, stop in ((signal.SIGINT, KeyboardInterrupt), (signal.SIGTERM, cli.Termi
         done.stderr[-3000:]
 
 
+def test_a_worker_signalled_to_stop_does_not_report_its_heartbeat_to_the_closed_scheduler():
+    """In a local cluster's worker process (IgnoreGroupStops set up there), a heartbeat that
+    fails on the scheduler is logged while the run goes on, and not once the group's SIGINT or
+    SIGTERM has come: the closing scheduler is then the stop. Other worker errors still show."""
+    import subprocess
+    import sys
+
+    script = """
+import logging, os, signal
+import distributed  # its log format, as in a worker
+from pipelines import cluster
+plugin = cluster.IgnoreGroupStops()
+plugin.client_pid = -1  # as in a worker process, not the client's
+plugin.setup(None)
+log = logging.getLogger("distributed.worker")
+def heartbeat_lost(when):
+    try:
+        raise OSError("Stream is closed")
+    except OSError:
+        log.exception("Failed to communicate with scheduler during heartbeat. " + when)
+heartbeat_lost("(running)")
+for sig in (signal.SIGINT, signal.SIGTERM):
+    cluster.GROUP_STOP.clear()
+    os.kill(os.getpid(), sig)  # ignored but noted (SIGTERM: ends the worker 60 s later)
+    heartbeat_lost(f"(after {sig.name})")
+    log.error(f"another error after {sig.name}")
+signal.alarm(0)
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    shown = [line.split(" - ")[-1] for line in done.stderr.splitlines() if "distributed.worker" in line]
+    assert shown == ["Failed to communicate with scheduler during heartbeat. (running)",
+                     "another error after SIGINT", "another error after SIGTERM"], done.stderr[-3000:]
+    assert done.stderr.count("Traceback") == 1, done.stderr[-3000:]
+
+
 @pytest.mark.parametrize("cluster", ["scheduler", "local"])
 def test_a_ctrl_c_to_marl_train_stops_it_with_one_line(tmp_path, dask_cluster, embedded_marl, cluster):
     """Ctrl-C in a terminal signals the whole foreground process group: the run, Prefect's
@@ -277,6 +314,7 @@ def test_a_ctrl_c_to_marl_train_stops_it_with_one_line(tmp_path, dask_cluster, e
     err = run.stderr.read().decode()
     assert code == 130 and "Traceback" not in err and "CancelledError" not in err, err[-3000:]
     assert "caused the cluster to lose" not in err, err[-3000:]
+    assert "Failed to communicate with scheduler" not in err, err[-3000:]
     assert err.strip().splitlines()[-1] == f"marl: stopped by Ctrl-C; the same command resumes from {run_dir}'s last checkpoint"
     _, alive = psutil.wait_procs(group, timeout=30)
     assert not alive, f"left running after the run: {[p.cmdline()[:3] for p in alive]}"
