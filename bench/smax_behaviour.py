@@ -78,14 +78,14 @@ def behaviour(steps: dict[str, np.ndarray], n_allies: int) -> dict[str, float]:
     attacking = (action >= N_MOVES) & live[..., None] & steps["alive"][..., :n_allies]
     attackers = attacking.sum(-1)  # [T, N]
     target = np.where(attacking, action - N_MOVES, -1)
-    distinct = np.array([[len(set(row[row >= 0])) for row in t] for t in target])
+    n_enemies = avail.shape[-1] - N_MOVES
+    distinct = (target[..., None] == np.arange(n_enemies)).any(-2).sum(-1)  # [T, N]
     many = attackers >= 2
     enemy_health = steps["health"][..., n_allies:]  # [T, N, enemy]
     reach = avail[..., N_MOVES:].astype(bool)  # [T, N, agent, enemy]
     reach_health = np.where(reach, enemy_health[:, :, None, :], np.inf)
     weakest = reach_health.min(-1)  # [T, N, agent]
-    chosen = np.take_along_axis(enemy_health[:, :, None, :].repeat(action.shape[-1], 2),
-                                np.clip(target, 0, None)[..., None], -1)[..., 0]
+    chosen = np.take_along_axis(enemy_health[:, :, None, :], np.clip(target, 0, None)[..., None], -1)[..., 0]
     on_weakest = (chosen <= weakest + 1e-6)[attacking]
     hurt = (steps["alive"][..., :n_allies] & live[..., None]
             & (steps["health"][..., :n_allies] < full[None, :, :n_allies] / 3) & reach.any(-1))

@@ -621,7 +621,8 @@ def train(config, iteration: int, env_steps: int, checkpoint: bool, collected: l
             # `learner`: what the learner reported of its updates (losses, entropy, ...), for the
             # metrics rows; `teams`: the team learners whose <team>_loss it holds (none: one learner)
             "metrics": {"learner": metrics, "teams": team_names,
-                        "updates": n_updates, "total_updates": state.meta["updates"], "collected": stats, "lags": lags, "read_s": read - started, "update_s": updated - read,
+                        "updates": n_updates, "total_updates": state.meta["updates"], "collected": stats,
+                        "lags": lags, "read_s": read - started, "update_s": updated - read,
                         "publish_s": published - updated, "checkpoint_s": time.perf_counter() - published,
                         "train_s": time.perf_counter() - started}}
 
