@@ -86,10 +86,12 @@ def wandb_records(path):
 
 def wandb_run(run_dir):
     """The run dir's W&B run, read from every offline run file of its id (a resumed run dir
-    has one per attempt): (env steps -> {metric: value}, config, other logged values, ids)."""
+    has one per attempt): (env steps -> {metric: value}, config, other logged values, ids).
+    Two attempts started within one second share a timestamp, and W&B names the second's
+    folder with a "-1" after the id."""
     with open(os.path.join(run_dir, "wandb_run.json")) as f:
         run_id = json.load(f)["id"]
-    files = sorted(glob.glob(os.path.join(run_dir, "wandb", f"offline-run-*-{run_id}", f"run-{run_id}.wandb")))
+    files = sorted(glob.glob(os.path.join(run_dir, "wandb", f"offline-run-*-{run_id}*", f"run-{run_id}.wandb")))
     rows: dict[int, dict] = {}
     config, other, ids = {}, {}, set()
     for path in files:
